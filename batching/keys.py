@@ -1,0 +1,105 @@
+"""Every Redis key batchery uses, in one place.
+
+All keys of one queue carry the hash tag ``{queue}`` so that each Lua script touches a
+single slot and the same code runs on Redis Cluster. No key string literals elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "batchery"
+QUEUES = f"{PREFIX}:queues"  # SET of queue names, for `batchery stats` (no tag: read alone)
+
+
+@dataclass(frozen=True)
+class Keys:
+    queue: str
+
+    def _key(self, name: str) -> str:
+        return f"{PREFIX}:{{{self.queue}}}:{name}"
+
+    @property
+    def pending(self) -> str:
+        """ZSET id -> rank (enqueue ms + class delay ms): what runs next, lowest first."""
+        return self._key("pending")
+
+    @property
+    def delayed(self) -> str:
+        """ZSET id -> ms when a failed request may run again (retry backoff)."""
+        return self._key("delayed")
+
+    @property
+    def requests(self) -> str:
+        """HASH id -> request JSON (input, priority, meta): written once, read by the claimer."""
+        return self._key("requests")
+
+    @property
+    def sched(self) -> str:
+        """HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client": what claims decide on."""
+        return self._key("sched")
+
+    @property
+    def attempts(self) -> str:
+        """HASH id -> runs that failed or were lost (absent means none)."""
+        return self._key("attempts")
+
+    @property
+    def leased(self) -> str:
+        """ZSET id -> lease expiry ms, for every claimed request."""
+        return self._key("leased")
+
+    @property
+    def owner(self) -> str:
+        """HASH id -> lease token of the claim that may commit its result."""
+        return self._key("owner")
+
+    @property
+    def dead(self) -> str:
+        """ZSET id -> ms it was dead-lettered; its request stays in `requests` for retry."""
+        return self._key("dead")
+
+    @property
+    def depth(self) -> str:
+        """HASH priority class -> queued requests (pending + delayed) of that class."""
+        return self._key("depth")
+
+    @property
+    def stats(self) -> str:
+        """HASH of running totals: requests/batches/tokens/padded_tokens and per status."""
+        return self._key("stats")
+
+    @property
+    def settings(self) -> str:
+        """HASH of QueueSettings.to_redis()."""
+        return self._key("settings")
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker id -> last heartbeat ms."""
+        return self._key("workers")
+
+    @property
+    def wake(self) -> str:
+        """LIST idle workers block on; enqueue pushes a token to wake one."""
+        return self._key("wake")
+
+    @property
+    def reaper_lock(self) -> str:
+        return self._key("reaper")
+
+    @property
+    def result_prefix(self) -> str:
+        """Prefix of the per-request result keys (STRING JSON with a TTL)."""
+        return self._key("result:")
+
+    def result(self, request_id: str) -> str:
+        return self.result_prefix + request_id
+
+    @property
+    def reply_prefix(self) -> str:
+        """Prefix of the per-client reply lists that workers push results onto."""
+        return self._key("reply:")
+
+    def reply(self, client_id: str) -> str:
+        return self.reply_prefix + client_id

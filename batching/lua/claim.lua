@@ -1,0 +1,138 @@
+-- claim: lease the next batch to a worker (the rule of batching/policy.py select_batch).
+-- KEYS[1] pending    ZSET id -> rank
+-- KEYS[2] delayed    ZSET id -> ms it may run again
+-- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- KEYS[4] requests   HASH id -> request JSON
+-- KEYS[5] attempts   HASH id -> failed runs
+-- KEYS[6] leased     ZSET id -> lease expiry ms
+-- KEYS[7] owner      HASH id -> lease token
+-- KEYS[8] settings   HASH
+-- KEYS[9] depth      HASH class -> queued count
+-- ARGV[1] lease token of this claim (worker id + claim number)
+-- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
+-- ARGV[5] lookahead (how many of the most urgent requests to choose from)
+-- ARGV[6] default lease_seconds
+-- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
+--   with n = #ids; the first n_expired ids are past their deadline (leased so the
+--   worker records them as expired; never run). wait_ms > 0: the head is held that
+--   much longer, or the earliest retry is due in that many ms (nothing else claimed);
+--   wait_ms = -1: nothing is pending or waiting to be retried.
+local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
+           attempts = KEYS[5], leased = KEYS[6], owner = KEYS[7], settings = KEYS[8],
+           depth = KEYS[9]}
+local token = ARGV[1]
+local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = now_ms()
+
+-- retries whose backoff is over go back to pending at their original rank
+local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
+if #due > 0 then
+  local scheds = rcall('HMGET', K.sched, unpack(due))
+  local zargs = {}
+  for i, id in ipairs(due) do
+    if scheds[i] then
+      zargs[#zargs + 1] = parse_sched(scheds[i]).rank
+      zargs[#zargs + 1] = id
+    end
+  end
+  call_chunked('ZADD', K.pending, zargs)
+  call_chunked('ZREM', K.delayed, due)
+end
+
+local ranked = rcall('ZRANGE', K.pending, 0, lookahead - 1, 'WITHSCORES')
+local ids, ranks = {}, {}
+for i = 1, #ranked, 2 do
+  ids[#ids + 1] = ranked[i]
+  ranks[#ranks + 1] = tonumber(ranked[i + 1])
+end
+if #ids == 0 then
+  local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
+  if #next_due == 0 then return {now, -1, 0} end
+  return {now, math.max(1, tonumber(next_due[2]) - now), 0}
+end
+local scheds = rcall('HMGET', K.sched, unpack(ids))
+
+-- Choosing reads only each candidate's length, deadline and class delay (rank minus
+-- enqueue time); the taken ones are parsed whole.
+local expired, live, lengths, delays, orphans = {}, {}, {}, {}, {}
+for i, id in ipairs(ids) do
+  local tokens, expire, enq
+  if scheds[i] then tokens, expire, enq = string.match(scheds[i], '^(%d+):(%d+):(%d+):') end
+  if not tokens then
+    orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
+  elseif tonumber(expire) > 0 and tonumber(expire) <= now then
+    expired[#expired + 1] = i
+  else
+    live[#live + 1] = i
+    lengths[#live] = tonumber(tokens)
+    delays[#live] = ranks[i] - tonumber(enq)
+  end
+end
+if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
+
+local batch = {}
+local wait = 0
+if #live > 0 then
+  local head = lengths[1]
+  local chosen, longest, rejected = {1}, head, false
+  -- classes as urgent as the head's first (class delay no larger), then the rest, each
+  -- by closest length to the head, ties by rank. One number per candidate, so the sort
+  -- compares numbers in C instead of calling a Lua function.
+  local order, stride = {}, #live + 1
+  local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
+  for j = 2, #live do
+    local tier = delays[j] > delays[1] and later or 0
+    order[#order + 1] = tier + math.abs(lengths[j] - head) * stride + j
+  end
+  table.sort(order)
+  for _, key in ipairs(order) do
+    if #chosen >= max_size then break end
+    local j = (key % later) % stride
+    local widest = math.max(longest, lengths[j])
+    if widest * (#chosen + 1) <= max_tokens then
+      chosen[#chosen + 1] = j
+      longest = widest
+    else
+      rejected = true
+    end
+  end
+  local full = rejected or #chosen >= max_size
+  local waited = now - parse_sched(scheds[live[1]]).enq
+  if not full and waited < max_wait then
+    wait = max_wait - waited
+  else
+    table.sort(chosen)
+    for _, j in ipairs(chosen) do batch[#batch + 1] = live[j] end
+  end
+end
+
+local take = {}
+for _, i in ipairs(expired) do take[#take + 1] = i end
+for _, i in ipairs(batch) do take[#take + 1] = i end
+if #take == 0 then return {now, wait, 0} end
+
+local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
+local out_ids, zargs, oargs, counts = {}, {}, {}, {}
+for n, i in ipairs(take) do
+  local id, class = ids[i], parse_sched(scheds[i]).class
+  out_ids[n] = id
+  zargs[#zargs + 1] = now + lease_ms
+  zargs[#zargs + 1] = id
+  oargs[#oargs + 1] = id
+  oargs[#oargs + 1] = token
+  counts[class] = (counts[class] or 0) - 1
+end
+call_chunked('ZREM', K.pending, out_ids)
+call_chunked('ZADD', K.leased, zargs)
+call_chunked('HSET', K.owner, oargs)
+add_depth(K.depth, counts)
+
+local payloads = rcall('HMGET', K.requests, unpack(out_ids))
+local attempts = rcall('HMGET', K.attempts, unpack(out_ids))
+local reply = {now, wait, #expired}
+for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
+for n = 1, #out_ids do reply[#reply + 1] = payloads[n] end
+for _, i in ipairs(take) do reply[#reply + 1] = scheds[i] end
+for n = 1, #out_ids do reply[#reply + 1] = attempts[n] end
+return reply

@@ -1,0 +1,99 @@
+-- enqueue: accept requests into a queue, idempotent by id, all or nothing.
+-- KEYS[1] pending    ZSET id -> rank
+-- KEYS[2] requests   HASH id -> request JSON
+-- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- KEYS[4] settings   HASH (QueueSettings)
+-- KEYS[5] wake       LIST idle workers block on
+-- KEYS[6] depth      HASH class -> queued count
+-- KEYS[7] delayed    ZSET (counts toward max_pending)
+-- KEYS[8] stats      HASH of totals
+-- ARGV[1] result key prefix (an id with a result already is not enqueued again)
+-- ARGV[2] default max_pending
+-- ARGV[3] default max_request_bytes
+-- ARGV[4] default class delays in ms, "realtime=0,normal=5000,batch=60000"
+-- ARGV[5] client id whose reply list gets the results ('' for none)
+-- ARGV[6..] groups of 5: id, priority (class name or integer seconds), tokens,
+--           deadline in ms from now (0 = none), request JSON
+-- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent);
+--      or {0, code, index, detail}: code 'full' (detail: max_pending),
+--         'too_large' (detail: max_request_bytes), 'priority' (detail: the class);
+--         nothing is written then.
+local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
+           wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8]}
+local result_prefix, client = ARGV[1], ARGV[5]
+local max_pending = setting(K.settings, 'max_pending', tonumber(ARGV[2]))
+local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
+
+local default_delays = {}
+for class, ms in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do default_delays[class] = tonumber(ms) end
+local delays = {}
+local function delay_of(priority)
+  local seconds = tonumber(priority)
+  if seconds then return math.floor(seconds * 1000), nil end
+  if delays[priority] == nil then
+    local v = rcall('HGET', K.settings, 'delay:' .. priority)
+    delays[priority] = v and math.floor(tonumber(v) * 1000) or default_delays[priority] or false
+  end
+  return delays[priority], priority
+end
+-- an integer priority is reported under the slowest class it is at least as urgent as
+local function class_of(delay)
+  local best, best_delay = 'realtime', -1
+  for _, class in ipairs({'realtime', 'normal', 'batch'}) do
+    local d = delay_of(class)
+    if d and d <= delay and d > best_delay then best, best_delay = class, d end
+  end
+  return best
+end
+
+local n = (#ARGV - 5) / 5
+local status, fresh = {}, 0
+for i = 1, n do
+  local base = 5 + (i - 1) * 5
+  local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
+  if rcall('HEXISTS', K.requests, id) == 1 or rcall('EXISTS', result_prefix .. id) == 1 then
+    status[i] = 0
+  else
+    if #payload > max_bytes then return {0, 'too_large', i, max_bytes} end
+    if not delay_of(priority) then return {0, 'priority', i, priority} end
+    status[i] = 1
+    fresh = fresh + 1
+  end
+end
+if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
+  return {0, 'full', 0, max_pending}
+end
+
+local now = now_ms()
+local zargs, hargs, sargs, counts = {}, {}, {}, {}
+for i = 1, n do
+  if status[i] == 1 then
+    local base = 5 + (i - 1) * 5
+    local id, priority = ARGV[base + 1], ARGV[base + 2]
+    local deadline = tonumber(ARGV[base + 4])
+    local delay, class = delay_of(priority)
+    class = class or class_of(delay)
+    local rank = now + delay
+    local expire = deadline > 0 and now + deadline or 0
+    zargs[#zargs + 1] = rank
+    zargs[#zargs + 1] = id
+    hargs[#hargs + 1] = id
+    hargs[#hargs + 1] = ARGV[base + 5]
+    sargs[#sargs + 1] = id
+    sargs[#sargs + 1] = table.concat({ARGV[base + 3], fmt_int(expire), fmt_int(now),
+                                      fmt_int(rank), class, client}, ':')
+    counts[class] = (counts[class] or 0) + 1
+  end
+end
+if fresh > 0 then
+  call_chunked('ZADD', K.pending, zargs)
+  call_chunked('HSET', K.requests, hargs)
+  call_chunked('HSET', K.sched, sargs)
+  add_depth(K.depth, counts)
+  rcall('HINCRBY', K.stats, 'enqueued', fresh)
+  rcall('RPUSH', K.wake, 1)
+  rcall('LTRIM', K.wake, -64, -1)
+end
+local reply = {1, now}
+for i = 1, n do reply[i + 2] = status[i] end
+return reply

@@ -1,0 +1,46 @@
+-- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
+-- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
+-- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
+-- ARGV[1] result key prefix   ARGV[2] reply list prefix
+-- ARGV[3] default max_attempts   ARGV[4] default result_ttl
+-- ARGV[5] backoff base ms        ARGV[6] backoff cap ms
+-- ARGV[7..] groups of 3: id, lease token, the dead result JSON (used on the last attempt)
+-- The n-th failure waits min(cap, base * 2^(n-1)) ms in `delayed`; failure number
+-- max_attempts commits the dead result, adds the id to `dead`, and keeps the request
+-- (for `batchery dead retry`).
+-- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
+local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
+           owner = KEYS[5], delayed = KEYS[6], dead = KEYS[7], settings = KEYS[8],
+           depth = KEYS[9], stats = KEYS[10]}
+local result_prefix, reply_prefix = ARGV[1], ARGV[2]
+local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
+local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
+local base_ms, cap_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+local flags, counts, retried, dead = {}, {}, 0, 0
+for i = 1, (#ARGV - 6) / 3 do
+  local base = 6 + (i - 1) * 3
+  local id, token = ARGV[base + 1], ARGV[base + 2]
+  if rcall('HGET', K.owner, id) ~= token then
+    flags[i] = 0
+  else
+    rcall('HDEL', K.owner, id)
+    rcall('ZREM', K.leased, id)
+    local failures = rcall('HINCRBY', K.attempts, id, 1)
+    local s = parse_sched(rcall('HGET', K.sched, id) or '0:0:0:0::')
+    if failures >= max_attempts then
+      commit_result(result_prefix, reply_prefix, id, s.client or '', ARGV[base + 3], ttl)
+      rcall('ZADD', K.dead, now, id)
+      flags[i], dead = 2, dead + 1
+    else
+      local wait = math.min(cap_ms, base_ms * math.pow(2, failures - 1))
+      rcall('ZADD', K.delayed, now + math.floor(wait), id)
+      if s.class then counts[s.class] = (counts[s.class] or 0) + 1 end
+      flags[i], retried = 1, retried + 1
+    end
+  end
+end
+add_depth(K.depth, counts)
+if retried > 0 then rcall('HINCRBY', K.stats, 'retries', retried) end
+if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end
+return flags

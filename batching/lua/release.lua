@@ -1,0 +1,21 @@
+-- release: give back claims a worker will not run (it is shutting down); no attempt counts.
+-- KEYS[1] leased  KEYS[2] owner  KEYS[3] pending  KEYS[4] sched  KEYS[5] depth
+-- ARGV[1..] pairs: id, lease token
+-- Each still held by that token returns to pending at its original rank.
+-- Returns the number released.
+local K = {leased = KEYS[1], owner = KEYS[2], pending = KEYS[3], sched = KEYS[4], depth = KEYS[5]}
+local released, counts = 0, {}
+for i = 1, #ARGV, 2 do
+  local id = ARGV[i]
+  local raw = rcall('HGET', K.sched, id)
+  if raw and rcall('HGET', K.owner, id) == ARGV[i + 1] then
+    local s = parse_sched(raw)
+    rcall('HDEL', K.owner, id)
+    rcall('ZREM', K.leased, id)
+    rcall('ZADD', K.pending, s.rank, id)
+    counts[s.class] = (counts[s.class] or 0) + 1
+    released = released + 1
+  end
+end
+add_depth(K.depth, counts)
+return released

@@ -1,0 +1,204 @@
+"""Requests and results as they travel through Redis: JSON only, never pickle."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from batchery.config import CLASS_NAME
+from batchery.errors import InvalidRequest
+
+OK, ERROR, EXPIRED, CANCELLED, DEAD = "ok", "error", "expired", "cancelled", "dead"
+STATUSES = (OK, ERROR, EXPIRED, CANCELLED, DEAD)
+PRIORITY_CLASSES = ("realtime", "normal", "batch")
+MAX_ID_LENGTH = 512
+MAX_DEADLINE_S = 30 * 86_400
+MAX_TOKENS = 10_000_000
+
+
+# One encoder for every message: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def dumps(value: Any) -> str:
+    """Compact strict JSON (no NaN/Infinity, which other readers reject)."""
+    return _ENCODER.encode(value)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request as a producer submits it, checked by :meth:`validated`."""
+
+    id: str
+    input: Any
+    priority: str = "normal"   # class name, or an integer: its delay in seconds
+    deadline: float | None = None  # seconds from now; past it the request is expired
+    tokens: int | None = None  # cost in tokens; counted or estimated when None
+    meta: dict[str, Any] | None = None
+
+    @classmethod
+    def validated(cls, id: Any, input: Any, priority: Any = "normal", deadline: Any = None,
+                  tokens: Any = None, meta: Any = None,
+                  count: Callable[[Any], int] | None = None) -> "Request":
+        """Build a request, raising InvalidRequest with the reason when a field is wrong.
+
+        ``count`` prices the input in tokens when ``tokens`` is None.
+        """
+        request_id, priority, deadline = check_id(id), check_priority(priority), check_deadline(deadline)
+        tokens, meta = check_tokens(tokens), check_meta(meta)
+        if tokens is None and count is not None:
+            tokens = count(input)
+        return cls(id=request_id, input=input, priority=priority, deadline=deadline,
+                   tokens=tokens, meta=meta)
+
+    def payload(self) -> bytes:
+        """The JSON stored in Redis for the worker: input and meta."""
+        body = {"input": self.input} if self.meta is None else {"input": self.input, "meta": self.meta}
+        try:
+            return dumps(body).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"request {self.id!r}: input holds text that is not valid "
+                                 "Unicode (a lone surrogate); clean or re-encode it") from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"request {self.id!r}: input and meta must be JSON "
+                                 f"(str, number, bool, null, list, object): {exc}") from None
+
+
+def check_id(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidRequest(f"request id must be a string, got {type(value).__name__}")
+    text = str(value)
+    if not text or len(text) > MAX_ID_LENGTH:
+        raise InvalidRequest(f"request id must be 1-{MAX_ID_LENGTH} characters, got {len(text)}")
+    if _CONTROL.search(text):
+        raise InvalidRequest(f"request id {text[:40]!r} holds control characters")
+    return text
+
+
+def check_priority(value: Any) -> str:
+    if isinstance(value, bool):
+        raise InvalidRequest("priority must be a class name (realtime, normal, batch) or an "
+                             "integer delay in seconds, got a boolean")
+    if isinstance(value, int):
+        if not 0 <= value <= 7 * 86_400:
+            raise InvalidRequest(f"integer priority is a delay in seconds, 0..604800; got {value}")
+        return str(value)
+    if isinstance(value, str) and CLASS_NAME.match(value):
+        return value
+    raise InvalidRequest(f"priority must be realtime, normal, batch (or a class configured "
+                         f"on the queue) or an integer delay in seconds; got {value!r}")
+
+
+def check_deadline(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"deadline must be a number of seconds from now, got {value!r}")
+    if not 0 < value <= MAX_DEADLINE_S:
+        raise InvalidRequest(f"deadline must be more than 0 and at most {MAX_DEADLINE_S} "
+                             f"seconds, got {value}")
+    return float(value)
+
+
+def check_tokens(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
+        raise InvalidRequest(f"tokens must be an integer 1..{MAX_TOKENS}, got {value!r}")
+    return value
+
+
+def check_meta(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise InvalidRequest(f"meta must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def estimate_tokens(value: Any) -> int:
+    """A tokenizer-free guess of a request's cost: about 4 characters per token.
+
+    Counts the text inside the input (strings in lists and objects too), plus 2 for
+    the special tokens a model adds. Workers recount exactly before running.
+    """
+    return 2 + _text_length(value) // 4
+
+
+def _text_length(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_length(v) for v in value)
+    return 1 if value is not None else 0
+
+
+@dataclass(frozen=True)
+class Result:
+    """The one committed result of a request, stored under its id for result_ttl."""
+
+    id: str
+    status: str                      # ok | error | expired | cancelled | dead
+    output: Any = None               # what the model returned (status ok)
+    error: dict[str, str] | None = None  # {"type", "message"} when status is not ok
+    attempts: int = 0                # runs it took (a lost lease counts as a run)
+    worker: str | None = None        # id of the worker that committed it
+    batch_size: int | None = None    # size of the batch it ran in
+    queued_ms: int | None = None     # from enqueue to claim, on the Redis clock
+    run_ms: float | None = None      # model time of its batch
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "Result":
+        data = json.loads(raw)
+        if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
+            return cls(**data)
+        return cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
+
+
+_RESULT_FIELDS = tuple(Result.__dataclass_fields__)
+_RESULT_KEYS = set(_RESULT_FIELDS)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A request as a worker receives it from a claim."""
+
+    id: str
+    input: Any
+    meta: dict[str, Any] | None
+    tokens: int          # the producer's count (the worker recounts exactly)
+    enqueued_ms: int
+    expire_ms: int       # 0: no deadline
+    priority: str        # its class, for metrics
+    attempt: int         # this run's number, from 1
+    token: str           # the lease token this worker commits with
+    invalid: str | None = None  # why the stored request cannot run (not written by a client)
+    rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
+
+    @classmethod
+    def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
+               token: str) -> "Claimed":
+        tokens, expire, enqueued, rank, priority, _client = sched.split(":", 5)
+        try:
+            body = json.loads(payload) if payload else None
+            invalid = None if isinstance(body, dict) else "its stored request is missing"
+        except ValueError as exc:
+            body, invalid = None, f"its stored request is not JSON ({exc})"
+        body = body if isinstance(body, dict) else {}
+        return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens),
+                   enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
+                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank))

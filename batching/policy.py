@@ -1,0 +1,87 @@
+"""Batch formation: priority with aging, size and padded-token budgets, dynamic wait.
+
+This is the scheduling rule as a pure function. ``lua/claim.lua`` implements the same
+rule inside Redis; ``tests/test_policy.py`` checks that both choose the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def rank(enqueued_ms: int, class_delay_ms: int) -> int:
+    """The score of a pending request: lowest runs first.
+
+    A request of class delay d ranks as if it had arrived d ms later. So a request is
+    overtaken only by requests of faster classes that arrive within the difference of
+    the delays after it: no class starves under any load, and a ``batch`` request waits
+    at most its delay plus the work ranked ahead of it.
+    """
+    return enqueued_ms + class_delay_ms
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A pending request as the claim sees it, in rank order."""
+
+    id: str
+    tokens: int          # cost in tokens; a batch costs (longest x size) padded tokens
+    enqueued_ms: int     # when it was accepted (Redis clock)
+    expire_ms: int = 0   # deadline on the Redis clock; 0 means none
+    rank: int = 0        # its score (enqueued_ms + class delay ms); see rank()
+
+    @property
+    def delay_ms(self) -> int:
+        """Its class delay: the lower, the more urgent its class."""
+        return self.rank - self.enqueued_ms
+
+
+@dataclass(frozen=True)
+class Selection:
+    batch: list[str] = field(default_factory=list)    # ids to run, most urgent first
+    expired: list[str] = field(default_factory=list)  # ids past their deadline: never run
+    wait_ms: int = 0  # > 0: the batch is not full and its head may wait this much longer
+
+
+def padded_tokens(token_counts: list[int]) -> int:
+    """What a batch costs once padded to its longest request."""
+    return max(token_counts) * len(token_counts) if token_counts else 0
+
+
+def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
+                 max_batch_tokens: int, max_wait_ms: int) -> Selection:
+    """Choose the next batch from the lookahead ``candidates`` (in rank order).
+
+    The head (most urgent live candidate) is always in the batch, even alone over the
+    token budget. Then the candidates of a class as urgent as the head's (class delay no
+    larger) join, then the others, each group in order of how close their length is to
+    the head's (ties: rank), while the batch stays within ``max_batch_size`` requests and
+    ``max_batch_tokens`` padded tokens. A batch is full when it reached the size or a
+    candidate did not fit; a batch that is not full is held until its head has waited
+    ``max_wait_ms``.
+    """
+    expired = [c.id for c in candidates if 0 < c.expire_ms <= now_ms]
+    live = [c for c in candidates if not 0 < c.expire_ms <= now_ms]
+    if not live:
+        return Selection(expired=expired)
+    head = live[0]
+    chosen, longest, rejected = [0], head.tokens, False
+    # Less urgent classes only fill what room is left: otherwise a realtime head could take
+    # batch-class requests of a fitting length while the other realtime ones wait, one
+    # per batch.
+    by_closeness = sorted(range(1, len(live)), key=lambda i: (
+        live[i].delay_ms > head.delay_ms, abs(live[i].tokens - head.tokens), i))
+    for i in by_closeness:
+        if len(chosen) >= max_batch_size:
+            break
+        widest = max(longest, live[i].tokens)
+        if widest * (len(chosen) + 1) <= max_batch_tokens:
+            chosen.append(i)
+            longest = widest
+        else:
+            rejected = True
+    full = rejected or len(chosen) >= max_batch_size
+    waited = now_ms - head.enqueued_ms
+    if not full and waited < max_wait_ms:
+        return Selection(expired=expired, wait_ms=max_wait_ms - waited)
+    return Selection(batch=[live[i].id for i in sorted(chosen)], expired=expired)

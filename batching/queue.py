@@ -1,0 +1,254 @@
+"""One queue's operations on Redis: each multi-key change is a single Lua call.
+
+``RequestQueue`` is the synchronous owner of the protocol. The ``*_call`` builders and
+``parse_*`` readers are shared with the asyncio client, so both speak one protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from batchery.config import QueueSettings, check_queue_name
+from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
+from batchery.batching.keys import QUEUES, Keys
+from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, dumps,
+                                        estimate_tokens)
+from batchery.batching.scripts import Scripts
+
+DEFAULTS = QueueSettings()
+RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
+RETRY_BACKOFF_CAP_MS = 60_000
+MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
+
+
+@dataclass(frozen=True)
+class Call:
+    """KEYS and ARGV of one script call."""
+
+    keys: list[str]
+    args: list[Any]
+
+
+@dataclass
+class ClaimReply:
+    now_ms: int
+    wait_ms: int                                  # > 0: held back; -1: nothing pending
+    expired: list[Claimed] = field(default_factory=list)
+    batch: list[Claimed] = field(default_factory=list)
+
+
+class RequestQueue:
+    """The Redis protocol of one queue, over a synchronous client."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.name = check_queue_name(name)
+        self.keys = Keys(name)
+        self.client = client
+        self.scripts = Scripts(client)
+
+    # -- producers -------------------------------------------------------------------
+    def register(self) -> None:
+        """List the queue for `batchery stats` (a separate key: it carries no hash tag)."""
+        self.client.sadd(QUEUES, self.name)
+
+    def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
+        """Accept requests all or nothing; True for each new one, False if already known."""
+        call = enqueue_call(self.keys, requests, client_id)
+        return parse_enqueue(self.scripts.enqueue(call.keys, call.args), requests)
+
+    def cancel(self, ids: Sequence[str]) -> list[int]:
+        """1: cancelled while queued, 2: while running (output discarded), 0: too late."""
+        if not ids:
+            return []
+        call = cancel_call(self.keys, ids)
+        return [int(f) for f in self.scripts.cancel(call.keys, call.args)]
+
+    def result(self, request_id: str) -> Result | None:
+        raw = self.client.get(self.keys.result(request_id))
+        return Result.from_json(raw) if raw else None
+
+    def results(self, ids: Sequence[str]) -> list[Result | None]:
+        if not ids:
+            return []
+        raws = self.client.mget([self.keys.result(i) for i in ids])
+        return [Result.from_json(r) if r else None for r in raws]
+
+    def is_known(self, request_id: str) -> bool:
+        """Queued, running, dead-lettered, or finished with a result."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hexists(self.keys.requests, request_id)
+        pipe.exists(self.keys.result(request_id))
+        return any(pipe.execute())
+
+    # -- settings ----------------------------------------------------------------------
+    def settings(self) -> QueueSettings:
+        return QueueSettings.from_redis(self.client.hgetall(self.keys.settings))
+
+    def update_settings(self, **changes: Any) -> QueueSettings:
+        new = self.settings().updated(**changes)
+        self.client.hset(self.keys.settings, mapping=new.to_redis())
+        return new
+
+    # -- workers -----------------------------------------------------------------------
+    def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
+              lookahead: int) -> ClaimReply:
+        k = self.keys
+        reply = self.scripts.claim(
+            [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
+             k.settings, k.depth],
+            [token, max_batch_size, max_batch_tokens, max_wait_ms,
+             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds])
+        return parse_claim(reply, token)
+
+    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int]) -> list[bool]:
+        """Commit (id, lease token, result JSON) items; False where the lease was lost."""
+        if not items:
+            return []
+        k = self.keys
+        args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
+                           ",".join(f"{name}={n}" for name, n in totals.items() if n)]
+        for item in items:
+            args += item
+        flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
+                                       k.settings, k.stats], args)
+        return [bool(f) for f in flags]
+
+    def fail(self, items: Sequence[tuple[str, str, str]]) -> list[int]:
+        """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost."""
+        if not items:
+            return []
+        k = self.keys
+        args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts,
+                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS]
+        for item in items:
+            args += item
+        return [int(f) for f in self.scripts.fail(
+            [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
+             k.settings, k.depth, k.stats], args)]
+
+    def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
+        """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
+        k = self.keys
+        args: list[Any] = [worker_id, DEFAULTS.lease_seconds]
+        for request_id, token in leases:
+            args += [request_id, token]
+        return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
+
+    def reap(self, limit: int = 1000) -> tuple[int, int]:
+        """Take back expired leases: (requeued, dead-lettered)."""
+        k = self.keys
+        requeued, dead = self.scripts.reap(
+            [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
+             k.stats, k.requests],
+            [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit])
+        return int(requeued), int(dead)
+
+    def release(self, leases: Sequence[tuple[str, str]]) -> int:
+        """Return claims this worker will not run to the queue, at their rank."""
+        if not leases:
+            return 0
+        k = self.keys
+        args = [v for lease in leases for v in lease]
+        return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth], args))
+
+    def forget_workers(self, older_than_s: float) -> None:
+        """Drop registry entries of workers not heard from in ``older_than_s`` (they died)."""
+        seconds, micros = self.client.time()
+        cutoff = seconds * 1000 + micros // 1000 - int(older_than_s * 1000)
+        self.client.zremrangebyscore(self.keys.workers, "-inf", cutoff)
+
+    def leave(self, worker_id: str) -> None:
+        self.client.zrem(self.keys.workers, worker_id)
+
+    # -- dead letters ------------------------------------------------------------------
+    def dead(self, limit: int = 100) -> list[Result]:
+        """Dead-lettered requests, newest first, with their last error."""
+        ids = self.client.zrevrange(self.keys.dead, 0, limit - 1)
+        results = self.results(ids)
+        return [r or Result(id=i, status="dead") for i, r in zip(ids, results)]
+
+    def revive(self, ids: Sequence[str] = ()) -> int:
+        """Send dead requests back to the queue (all when ids is empty)."""
+        k = self.keys
+        return int(self.scripts.revive([k.dead, k.pending, k.sched, k.attempts, k.depth,
+                                        k.requests], [k.result_prefix, *(ids or ["*"])]))
+
+    def purge(self, ids: Sequence[str] = ()) -> int:
+        """Forget dead requests for good (all when ids is empty)."""
+        k = self.keys
+        return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
+                                       k.leased], list(ids or ["*"])))
+
+    # -- observation -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Depth by class, in flight, dead letters, live workers and running totals."""
+        k = self.keys
+        seconds, micros = self.client.time()  # Redis's clock: heartbeats are on it
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zcard(k.pending)
+        pipe.zcard(k.delayed)
+        pipe.hgetall(k.depth)
+        pipe.zcard(k.leased)
+        pipe.zcard(k.dead)
+        pipe.hget(k.settings, "lease_seconds")
+        pipe.zrangebyscore(k.workers, "-inf", "+inf", withscores=True)
+        pipe.hgetall(k.stats)
+        pending, delayed, depth, leased, dead, lease_s, workers, totals = pipe.execute()
+        live_after = seconds * 1000 + micros // 1000 - 1000 * float(lease_s or DEFAULTS.lease_seconds)
+        return {"pending": pending + delayed,
+                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
+                "inflight": leased, "dead": dead,
+                "workers": sum(1 for _, seen in workers if seen >= live_after),
+                "totals": {name: int(n) for name, n in sorted(totals.items())}}
+
+
+def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
+    """The enqueue script's KEYS and ARGV (see lua/enqueue.lua)."""
+    delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
+    args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
+                       delays, client_id]
+    for r in requests:
+        tokens = r.tokens if r.tokens is not None else estimate_tokens(r.input)
+        deadline_ms = int(r.deadline * 1000) if r.deadline else 0
+        args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
+    return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
+                 k.stats], args)
+
+
+def cancel_call(k: Keys, ids: Sequence[str]) -> Call:
+    """The cancel script's KEYS and ARGV (see lua/cancel.lua)."""
+    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl]
+    for request_id in ids:
+        args += [request_id, Result(id=request_id, status=CANCELLED,
+                                    error={"type": "Cancelled",
+                                           "message": "cancelled by the client"}).to_json()]
+    return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
+                 k.settings, k.depth, k.stats], args)
+
+
+def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
+    if int(reply[0]) == 1:
+        return [bool(int(s)) for s in reply[2:]]
+    code, index, detail = reply[1], int(reply[2]), reply[3]
+    if code == "full":
+        raise QueueFull(f"queue is full: it holds its max_pending of {detail} requests; "
+                        "retry later, add workers, or raise it with `batchery queue config "
+                        "QUEUE --max-pending N`")
+    request = requests[index - 1]
+    if code == "too_large":
+        raise RequestTooLarge(f"request {request.id!r} is {len(request.payload())} bytes, over "
+                              f"the queue's max_request_bytes of {detail}; send a smaller input "
+                              "or raise the limit with `batchery queue config`")
+    raise InvalidRequest(f"request {request.id!r}: unknown priority class {detail!r}; use "
+                         "realtime, normal, batch, a class set with `batchery queue config "
+                         "--class-delay`, or an integer delay in seconds")
+
+
+def parse_claim(reply: list[Any], token: str) -> ClaimReply:
+    now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
+    n = (len(reply) - 3) // 4
+    ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]
+    scheds, failures = reply[3 + 2 * n:3 + 3 * n], reply[3 + 3 * n:3 + 4 * n]
+    claimed = [Claimed.decode(i, p, s, f, token) for i, p, s, f in zip(ids, payloads, scheds, failures)]
+    return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:])

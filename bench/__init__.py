@@ -1,0 +1,1 @@
+"""Benchmarks and the demo: scripts that print tables (not run by CI)."""

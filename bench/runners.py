@@ -1,0 +1,26 @@
+"""Runners the benchmarks start workers with (``--runner bench.runners:NAME``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def noop() -> Any:
+    """Returns None for every input at once: what is left to measure is the queue."""
+    def run(inputs: list[Any]) -> list[Any]:
+        return [None] * len(inputs)
+    run.tokens = lambda value: 1  # type: ignore[attr-defined]
+    return run
+
+
+def fixed_cost() -> Any:
+    """Sleeps BENCH_COST_MS per request (default 2): a model of known capacity, idle CPU."""
+    per_request = float(os.environ.get("BENCH_COST_MS", "2")) / 1000
+
+    def run(inputs: list[Any]) -> list[Any]:
+        time.sleep(per_request * len(inputs))
+        return [None] * len(inputs)
+    run.tokens = lambda value: 1  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,144 @@
+"""The asyncio client: the same protocol as Client, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any, Iterable, Mapping
+
+from batchery.batching.messages import Request, Result
+from batchery.batching.keys import QUEUES, Keys
+from batchery.batching.queue import cancel_call, enqueue_call, parse_enqueue
+from batchery.batching.scripts import Scripts
+from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
+from batchery.connection import RedisSettings
+from batchery.errors import ResultTimeout
+from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
+                                      make_request)
+from batchery.producer.replies import AsyncReplyListener
+from batchery.producer.tokens import TokenCounter
+
+
+class AsyncHandle:
+    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future) -> None:
+        self.id = request_id
+        self._client = client
+        self._future = future
+
+    async def result(self, timeout: float | None = None) -> Result:
+        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._future), max(left, 0))
+            except asyncio.TimeoutError:
+                found = await self._client.get(self.id)
+                if found is not None:
+                    self._client.replies.deliver(found)
+                    return found
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(f"no result for request {self.id!r} within {timeout}s; it "
+                                    "stays queued: wait again, or cancel it")
+
+    async def cancel(self) -> bool:
+        return (await self._client.cancel([self.id]))[0] > 0
+
+
+class AsyncClient:
+    """``async with AsyncClient(url, queue="embed") as ac: r = await ac.submit(...)``."""
+
+    def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
+                 cluster: bool = False) -> None:
+        self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
+        self._conn: Any = None
+        self.keys = Keys(check_queue_name(queue))
+        self.client_id = secrets.token_hex(8)
+        self._new_id = RequestIds()
+        self._count: TokenCounter | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
+        self._scripts = Scripts(self._conn)
+        self.replies = AsyncReplyListener(self._conn, self.keys.reply(self.client_id))
+        await self._conn.sadd(QUEUES, self.keys.queue)  # listed for `batchery stats`
+        settings = QueueSettings.from_redis(await self._conn.hgetall(self.keys.settings))
+        self._count = await asyncio.to_thread(TokenCounter, settings.tokenizer,
+                                              settings.max_input_tokens)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self.replies.close()
+            await self._conn.aclose()
+            self._conn = None
+
+    def request(self, fields: Mapping[str, Any]) -> Request:
+        assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"
+        return make_request(fields, self._new_id, self._count)
+
+    async def enqueue(self, input: Any, priority: str | int = "normal",
+                      deadline: float | None = None, id: str | None = None,
+                      tokens: int | None = None, meta: dict[str, Any] | None = None) -> AsyncHandle:
+        return (await self.enqueue_many([{"input": input, "priority": priority, "deadline": deadline,
+                                          "id": id, "tokens": tokens, "meta": meta}]))[0]
+
+    async def enqueue_many(self, requests: Iterable[Mapping[str, Any]]) -> list[AsyncHandle]:
+        batch = [self.request(r) for r in requests]
+        if not batch:
+            return []
+        futures = [self.replies.watch(r.id) for r in batch]
+        call = enqueue_call(self.keys, batch, self.client_id)
+        parse_enqueue(await self._scripts.enqueue(call.keys, call.args), batch)
+        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
+
+    async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
+        """Enqueue one request and await its result."""
+        handle = await self.enqueue(input, **fields)
+        return await handle.result(timeout)
+
+    async def map(self, inputs: Iterable[Any], priority: str | int = "normal",
+                  deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
+                  timeout: float | None = None) -> list[Result]:
+        """Run every input and return the results in input order, ``max_in_flight`` queued."""
+        values = list(inputs)
+        results: list[Result | None] = [None] * len(values)
+        waiting: dict[asyncio.Future, tuple[int, str]] = {}
+        sent, progress = 0, time.monotonic()
+        while sent < len(values) or waiting:
+            while sent < len(values) and len(waiting) < max_in_flight:
+                chunk = values[sent:sent + min(ENQUEUE_CHUNK, max_in_flight - len(waiting))]
+                handles = await self.enqueue_many(
+                    {"input": v, "priority": priority, "deadline": deadline} for v in chunk)
+                waiting.update((h._future, (sent + j, h.id)) for j, h in enumerate(handles))
+                sent += len(chunk)
+            done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # replies may have been lost (a Redis restart): read the keys
+                ids = [request_id for _, request_id in waiting.values()]
+                for raw in await self._conn.mget([self.keys.result(i) for i in ids]):
+                    if raw:
+                        self.replies.deliver(Result.from_json(raw))
+                done = {f for f in waiting if f.done()}
+            for future in done:
+                results[waiting.pop(future)[0]] = future.result()
+                progress = time.monotonic()
+            if timeout is not None and waiting and time.monotonic() - progress >= timeout:
+                raise ResultTimeout(f"no result for any of {len(waiting)} requests within "
+                                    f"{timeout}s; they stay queued")
+        return results  # type: ignore[return-value]
+
+    async def get(self, request_id: str) -> Result | None:
+        raw = await self._conn.get(self.keys.result(request_id))
+        return Result.from_json(raw) if raw else None
+
+    async def cancel(self, ids: list[str]) -> list[int]:
+        call = cancel_call(self.keys, ids)
+        return [int(f) for f in await self._scripts.cancel(call.keys, call.args)]
+

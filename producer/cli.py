@@ -1,0 +1,59 @@
+"""Producers' commands: ``batchery enqueue`` (and the offline job commands)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from batchery.errors import InvalidRequest
+from batchery.producer.client import Client
+
+
+def _priority(value: str) -> str | int:
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+@click.command("enqueue")
+@click.option("--text", "texts", multiple=True, help="A text input (repeatable).")
+@click.option("--input", "inputs", multiple=True, metavar="JSON",
+              help="A JSON input, e.g. '{\"text\": \"hi\"}' (repeatable).")
+@click.option("--priority", "-p", default="normal", show_default=True,
+              help="realtime, normal, batch, or a delay in seconds.")
+@click.option("--deadline", type=float, help="Seconds from now after which it is not run.")
+@click.option("--id", "request_id", help="Request id (one input only); enqueue is idempotent by id.")
+@click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="With --wait.")
+def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
+            deadline: float | None, request_id: str | None, wait: bool, timeout: float,
+            queue: str, redis_url: str, cluster: bool) -> None:
+    """Queue requests; print their ids, or with --wait their results."""
+    values: list[Any] = list(texts)
+    for i, raw in enumerate(inputs, 1):
+        try:
+            values.append(json.loads(raw))
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"--input number {i} is not JSON ({exc.msg} at character "
+                                 f"{exc.pos}); quote it, e.g. --input '{{\"text\": \"hi\"}}'") from None
+    if not values:
+        raise click.UsageError("give at least one --text or --input")
+    if request_id is not None and len(values) > 1:
+        raise click.UsageError("--id names one request: give one input with it")
+    with Client(redis_url, queue, cluster=cluster) as client:
+        handles = client.enqueue_many([{"input": v, "priority": _priority(priority),
+                                        "deadline": deadline, "id": request_id} for v in values],
+                                      reply=wait)
+        for handle in handles:
+            if not wait:
+                click.echo(handle.id)
+        if wait:
+            for handle in handles:
+                click.echo(handle.result(timeout=timeout).to_json())
+
+
+def register(group: click.Group) -> None:
+    from batchery.cli import queue_option, redis_options
+    from batchery.producer import jobs_cli
+    group.add_command(queue_option(redis_options(enqueue)))
+    jobs_cli.register(group)

@@ -1,0 +1,228 @@
+"""The synchronous client: enqueue requests, await their results, map over many."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import abc
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from queue import Empty, SimpleQueue
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from batchery.batching.messages import Request, Result
+from batchery.batching.queue import RequestQueue
+from batchery.config import DEFAULT_QUEUE
+from batchery.connection import RedisSettings
+from batchery.errors import InvalidRequest, ResultTimeout
+from batchery.producer.replies import ReplyListener
+from batchery.producer.tokens import TokenCounter
+
+POLL_S = 1.0          # a waiter also reads the result key this often (covers lost replies)
+ENQUEUE_CHUNK = 500   # requests per enqueue call in map/stream: one Lua call each
+MAX_IN_FLIGHT = 2000  # requests map/stream keep queued at once by default
+REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta")
+_FIELD_SET = frozenset(REQUEST_FIELDS)
+
+
+class RequestIds:
+    """Unique request ids without a uuid per request: a random prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}-{next(self._counter)}"
+
+
+def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
+                 count: Callable[[Any], int]) -> Request:
+    """A validated Request from a dict of REQUEST_FIELDS; raises InvalidRequest."""
+    if not isinstance(fields, abc.Mapping):  # collections.abc: typing's isinstance is slow
+        raise InvalidRequest(f"a request must be an object, got {type(fields).__name__}")
+    if not fields.keys() <= _FIELD_SET:
+        unknown = set(fields) - _FIELD_SET
+        raise InvalidRequest(f"unknown request field(s) {sorted(map(str, unknown))}; "
+                             f"allowed: {', '.join(REQUEST_FIELDS)}")
+    if "input" not in fields:
+        raise InvalidRequest("request has no 'input'")
+    request_id = fields.get("id")
+    return Request.validated(id=new_id() if request_id is None else request_id,
+                             input=fields["input"], priority=fields.get("priority") or "normal",
+                             deadline=fields.get("deadline"), tokens=fields.get("tokens"),
+                             meta=fields.get("meta"), count=count)
+
+
+class Handle:
+    """A request that was accepted; wait for its result or cancel it."""
+
+    def __init__(self, client: "Client", request_id: str, future: Future) -> None:
+        self.id = request_id
+        self._client = client
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            try:
+                return self._future.result(timeout=max(left, 0))
+            except FutureTimeout:
+                found = self._client.queue.result(self.id)
+                if found is not None:
+                    self._client.replies.deliver(found)
+                    return found
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(f"no result for request {self.id!r} within {timeout}s; it "
+                                    "stays queued: wait again, or cancel it")
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        """Cancel the request: True unless it had finished already."""
+        return self._client.queue.cancel([self.id])[0] > 0
+
+    def __repr__(self) -> str:
+        return f"Handle({self.id!r})"
+
+
+class Client:
+    """A producer for one queue. ``redis_url`` None: BATCHERY_REDIS_URL, else embedded."""
+
+    def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
+                 cluster: bool = False) -> None:
+        self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
+        self._conn = self.redis.client()
+        self.queue = RequestQueue(self._conn, queue)
+        self.client_id = secrets.token_hex(8)
+        self.replies = ReplyListener(self._conn, self.queue.keys.reply(self.client_id))
+        self._new_id = RequestIds()
+        self._count: TokenCounter | None = None
+        self._registered = False
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.replies.close()
+        self._conn.close()
+
+    def enqueue(self, input: Any, priority: str | int = "normal", deadline: float | None = None,
+                id: str | None = None, tokens: int | None = None,
+                meta: dict[str, Any] | None = None) -> Handle:
+        """Queue one request; raises QueueFull under backpressure, ValueError if invalid."""
+        return self.enqueue_many([{"input": input, "priority": priority, "deadline": deadline,
+                                   "id": id, "tokens": tokens, "meta": meta}])[0]
+
+    def enqueue_many(self, requests: Iterable[Mapping[str, Any]], reply: bool = True) -> list[Handle]:
+        """Queue requests (dicts with the fields of ``enqueue``) in one all-or-nothing call.
+
+        ``reply=False``: this client will not wait, so results are not pushed to it (they
+        stay readable by id, e.g. with ``get`` or ``handle(id).result()``).
+        """
+        batch = [self.request(r) for r in requests]
+        futures = [self.replies.watch(r.id) if reply else Future() for r in batch]
+        self._enqueue(batch, reply)
+        return [Handle(self, r.id, f) for r, f in zip(batch, futures)]
+
+    def _enqueue(self, batch: list[Request], reply: bool) -> None:
+        if not batch:
+            return
+        if not self._registered:
+            self.queue.register()
+            self._registered = True
+        self.queue.enqueue(batch, self.client_id if reply else "")
+
+    def request(self, fields: Mapping[str, Any]) -> Request:
+        """A validated Request from a dict; an absent id is generated, tokens counted."""
+        return make_request(fields, self._new_id, self.counter)
+
+    def counter(self, value: Any) -> int:
+        if self._count is None:
+            settings = self.queue.settings()
+            self._count = TokenCounter(settings.tokenizer, settings.max_input_tokens)
+        return self._count(value)
+
+    def handle(self, request_id: str) -> Handle:
+        """A handle for a request enqueued earlier (by this or another client)."""
+        return Handle(self, request_id, self.replies.watch(request_id))
+
+    def get(self, request_id: str) -> Result | None:
+        """The committed result, or None while it is queued or running (or unknown)."""
+        return self.queue.result(request_id)
+
+    def stream(self, requests: Iterable[Mapping[str, Any]], max_in_flight: int = MAX_IN_FLIGHT,
+               timeout: float | None = None) -> Iterator[Result]:
+        """Yield results as they complete, keeping at most ``max_in_flight`` queued.
+
+        Results come in completion order; each carries its request's id. ``timeout``
+        bounds the wait for any one result.
+        """
+        source = iter(requests)
+        done: SimpleQueue[Result] = SimpleQueue()  # filled by the reply listener
+        waiting: set[str] = set()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(waiting) < max_in_flight:
+                    room = min(ENQUEUE_CHUNK, max_in_flight - len(waiting))
+                    chunk = [self.request(r) for r in itertools.islice(source, room)]
+                    exhausted = not chunk
+                    if chunk:
+                        ids = [r.id for r in chunk]
+                        waiting.update(ids)
+                        self.replies.collect(ids, done.put)
+                        self._enqueue(chunk, reply=True)
+                if not waiting:
+                    return
+                yield from self._collect(done, waiting, timeout)
+        finally:
+            for request_id in waiting:
+                self.replies.forget(request_id)
+
+    def _collect(self, done: SimpleQueue[Result], waiting: set[str],
+                 timeout: float | None) -> Iterator[Result]:
+        """Wait for at least one of ``waiting`` to finish; yield and drop all that did."""
+        started = time.monotonic()
+        while True:
+            try:
+                arrived = [done.get(timeout=POLL_S)]
+            except Empty:  # replies may be lost (a Redis restart): read the results
+                for found in self.queue.results(list(waiting)):
+                    if found is not None:
+                        self.replies.deliver(found)
+                arrived = []
+            while not done.empty():
+                arrived.append(done.get_nowait())
+            fresh = [r for r in arrived if r.id in waiting]
+            if fresh:
+                waiting.difference_update(r.id for r in fresh)
+                yield from fresh
+                return
+            if timeout is not None and time.monotonic() - started >= timeout:
+                raise ResultTimeout(f"no result for any of {len(waiting)} requests within "
+                                    f"{timeout}s; they stay queued")
+
+    def map(self, inputs: Iterable[Any], priority: str | int = "normal",
+            deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
+            timeout: float | None = None) -> list[Result]:
+        """Run every input and return the results in input order."""
+        index: dict[str, int] = {}
+
+        def requests() -> Iterator[dict[str, Any]]:
+            for i, value in enumerate(inputs):
+                request_id = self._new_id()
+                index[request_id] = i
+                yield {"id": request_id, "input": value, "priority": priority, "deadline": deadline}
+
+        ordered: dict[int, Result] = {}
+        for result in self.stream(requests(), max_in_flight, timeout):
+            ordered[index[result.id]] = result
+        return [ordered[i] for i in range(len(ordered))]

@@ -1,0 +1,284 @@
+"""Offline jobs on RQ: a JSONL file of requests in, a JSONL file of results out.
+
+A job is a plain RQ job (JSON serializer, no pickle) in the RQ queue ``batchery``, so
+``rq info`` and rq-dashboard show it and RQ's retries and failure registry apply. Its
+function (:func:`batchery.producer.jobrun.run_job`) streams the file into a request
+queue. This module is the bookkeeping around it: submit, look up, list, cancel, and
+the lifecycle and progress read from the RQ job and its meta.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from batchery.batching.messages import check_priority
+from batchery.batching.queue import RequestQueue
+from batchery.config import DEFAULT_QUEUE, check_queue_name
+from batchery.connection import text_client
+from batchery.errors import ConfigError, InvalidRequest, JobNotFound
+from batchery.producer.jobfile import errors_path
+
+JOBS_QUEUE = "batchery"      # the RQ queue jobs wait in; `rq info` lists it
+ENV_JOBS_QUEUE = "BATCHERY_JOBS_QUEUE"
+JOB_FUNC = "batchery.producer.jobrun.run_job"
+DEFAULT_PRIORITY = "batch"   # offline work: overtaken by interactive requests, never starved
+DEFAULT_MAX_IN_FLIGHT = 2000  # lines queued at once: Redis never holds more of a job than this
+DEFAULT_RETRIES = 3          # RQ re-runs a failed or abandoned job this often; each run resumes
+RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
+WITHDRAW_SCAN = 1000
+STALE_S = 30.0               # a running job silent this long may have lost its worker
+
+# The lifecycle `batchery status` shows; the running job writes its phase into meta.
+QUEUED, RUNNING, FINALIZING = "queued", "running", "finalizing"
+FINISHED, FAILED, CANCELLED, STOPPED = "finished", "failed", "cancelled", "stopped"
+COUNTING = "counting"        # phase: the job counts the input's lines (state: running)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job runs: its RQ kwargs, plain JSON."""
+
+    input: str               # absolute paths: the jobs worker may run elsewhere in the tree
+    output: str
+    errors: str
+    queue: str               # the request queue its lines go to
+    priority: str | int      # for lines that name none
+    max_in_flight: int
+    input_size: int          # the input as submitted: a changed file cannot resume safely
+    input_mtime_ns: int
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "JobSpec":
+        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Progress:
+    """A job's counts, kept in its RQ meta. error includes invalid lines."""
+
+    total: int | None = None     # request lines in the input (None until counted)
+    ok: int = 0
+    error: int = 0
+    invalid: int = 0
+    done_at_start: int = 0       # lines done before this run: the rate counts this run only
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.error
+
+    @property
+    def pending(self) -> int | None:
+        return None if self.total is None else max(self.total - self.done, 0)
+
+    def rate(self) -> float:
+        elapsed = time.time() - self.started_at
+        return (self.done - self.done_at_start) / elapsed if elapsed > 0 else 0.0
+
+    def meta(self, phase: str) -> dict[str, Any]:
+        return {"phase": phase, "total": self.total, "ok": self.ok, "error": self.error,
+                "invalid": self.invalid, "pending": self.pending, "rate": round(self.rate(), 1),
+                "updated_at": time.time()}
+
+
+def rq_queue(conn: redis.Redis, name: str = JOBS_QUEUE) -> Queue:
+    return Queue(name, connection=conn, serializer=JSONSerializer)
+
+
+# -- submit -------------------------------------------------------------------------------
+def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None,
+           queue: str = DEFAULT_QUEUE, priority: str | int = DEFAULT_PRIORITY,
+           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, retries: int = DEFAULT_RETRIES,
+           overwrite: bool = False, jobs_queue: str = JOBS_QUEUE) -> Job:
+    """Check the files, create the outputs, and enqueue the RQ job. Raises ConfigError."""
+    check_queue_name(queue)
+    if max_in_flight < 1:
+        raise ConfigError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+    if retries < 0:
+        raise ConfigError(f"--retries must be 0 or more, got {retries}")
+    priority = check_priority(priority)
+    with text_client(conn) as text:
+        classes = RequestQueue(text, queue).settings().class_delays
+    if not priority.isdigit() and priority not in classes:
+        raise InvalidRequest(f"unknown priority class {priority!r} for queue {queue!r}; use "
+                             f"{', '.join(classes)} or an integer delay in seconds")
+    source = _readable(Path(input))
+    out = Path(output).expanduser().absolute()
+    err = Path(errors).expanduser().absolute() if errors else errors_path(out)
+    if source in (out, err) or out == err:
+        raise ConfigError("the input, output and errors files must be three different files")
+    created = [_create(out, overwrite)]
+    try:
+        created.append(_create(err, overwrite))
+    except ConfigError:
+        out.unlink()
+        raise
+    stat = source.stat()
+    spec = JobSpec(input=str(source), output=str(out), errors=str(err), queue=queue,
+                   priority=int(priority) if priority.isdigit() else priority,
+                   max_in_flight=max_in_flight, input_size=stat.st_size,
+                   input_mtime_ns=stat.st_mtime_ns)
+    try:
+        return rq_queue(conn, jobs_queue).enqueue_call(
+            JOB_FUNC, kwargs=asdict(spec), job_id=secrets.token_hex(6), timeout=-1,
+            result_ttl=RESULT_TTL_S, description=f"batchery: {source.name} -> {out.name} "
+            f"(queue {queue})", meta=Progress().meta(QUEUED),
+            retry=Retry(max=retries) if retries else None)
+    except BaseException:
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _readable(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except IsADirectoryError:
+        raise ConfigError(f"cannot read {path}: it is a directory; give a JSONL file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the input {path}: {exc.strerror or exc}; check the path "
+                          "and its permissions") from None
+    return path
+
+
+def _create(path: Path, overwrite: bool) -> Path:
+    """Create (or with overwrite, empty) one output file, proving it can be written."""
+    if path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a directory; give a file name with -o")
+    try:
+        with open(path, "wb" if overwrite else "xb"):
+            pass
+    except FileExistsError:
+        raise ConfigError(f"{path} exists already; choose another -o, or pass --overwrite to "
+                          "replace it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; choose a writable "
+                          "path with -o") from None
+    return path
+
+
+# -- look up ------------------------------------------------------------------------------
+def fetch(conn: redis.Redis, job_id: str) -> Job:
+    """The RQ job of a batchery offline job; raises JobNotFound."""
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    except (NoSuchJobError, ValueError, TypeError):
+        raise JobNotFound(f"no offline job {job_id!r} (finished jobs are kept "
+                          f"{RESULT_TTL_S // 86_400} days); `batchery status` lists recent jobs") from None
+    if job.func_name != JOB_FUNC:
+        raise JobNotFound(f"RQ job {job_id!r} is not a batchery offline job")
+    return job
+
+
+def spec_of(job: Job) -> JobSpec:
+    return JobSpec.from_kwargs(job.kwargs)
+
+
+def lifecycle(status: JobStatus | str | None, phase: str | None) -> str:
+    """queued, running, finalizing, finished, failed or cancelled."""
+    if status == JobStatus.CANCELED or phase == CANCELLED:
+        return CANCELLED
+    if status == JobStatus.FINISHED:
+        return FINISHED
+    if status in (JobStatus.FAILED, JobStatus.STOPPED):
+        return FAILED
+    if status == JobStatus.STARTED:
+        return FINALIZING if phase == FINALIZING else RUNNING
+    return QUEUED
+
+
+def describe(job: Job) -> dict[str, Any]:
+    """What `batchery status JOB --json` prints."""
+    meta, spec = job.get_meta(), spec_of(job)
+    state = lifecycle(job.get_status(), meta.get("phase"))
+    pending = meta.get("pending")
+    rate = meta.get("rate") or 0.0
+    view: dict[str, Any] = {
+        "id": job.id, "state": state, "total": meta.get("total"), "ok": meta.get("ok", 0),
+        "error": meta.get("error", 0), "invalid": meta.get("invalid", 0), "pending": pending,
+        "rate": rate if state == RUNNING else None,
+        "eta_s": round(pending / rate, 1) if state == RUNNING and pending and rate else None,
+        "queue": spec.queue, "input": spec.input, "output": spec.output, "errors": spec.errors,
+        "enqueued_at": _iso(job.enqueued_at), "started_at": _iso(job.started_at),
+        "ended_at": _iso(job.ended_at), "retries_left": job.retries_left}
+    silent = time.time() - float(meta.get("updated_at") or time.time())
+    view["stale_s"] = round(silent) if state in (RUNNING, FINALIZING) and silent > STALE_S else None
+    if state == FAILED:
+        view["failure"] = _last_line(job.exc_info)
+    return view
+
+
+def _iso(moment: Any) -> str | None:
+    return moment.isoformat(timespec="seconds") if moment else None
+
+
+def _last_line(text: str | None) -> str | None:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
+
+
+def recent(conn: redis.Redis, jobs_queue: str = JOBS_QUEUE, limit: int = 20) -> list[Job]:
+    """The queue's jobs in every RQ registry, newest first."""
+    q = rq_queue(conn, jobs_queue)
+    registries = (q.started_job_registry, q.finished_job_registry, q.failed_job_registry,
+                  q.canceled_job_registry, q.scheduled_job_registry, q.deferred_job_registry)
+    ids = list(dict.fromkeys([*q.get_job_ids(),
+                              *(i for r in registries for i in r.get_job_ids(cleanup=False))]))
+    jobs = [j for j in Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)
+            if j is not None and j.func_name == JOB_FUNC]
+    jobs.sort(key=lambda j: j.created_at.timestamp() if j.created_at else 0.0, reverse=True)
+    return jobs[:limit]
+
+
+# -- cancel -------------------------------------------------------------------------------
+def cancel(conn: redis.Redis, job_id: str, wait_s: float = 5.0) -> tuple[str, int]:
+    """Cancel a job: (its state before, queued requests removed).
+
+    RQ marks it cancelled, so it never runs again; a running job sees that within a
+    second, withdraws its queued requests and stops. Requests a dead run left queued
+    are withdrawn here.
+    """
+    job = fetch(conn, job_id)
+    before = lifecycle(job.get_status(), job.get_meta().get("phase"))
+    if before in (FINISHED, CANCELLED):
+        return before, 0
+    job.cancel()
+    with text_client(conn) as text:
+        removed = withdraw(text, spec_of(job).queue, job.id)
+    deadline = time.monotonic() + wait_s
+    while before in (RUNNING, FINALIZING) and time.monotonic() < deadline:
+        meta = job.get_meta()
+        if meta.get("phase") in (CANCELLED, FINISHED):
+            return before, removed + int(meta.get("withdrawn", 0))
+        time.sleep(0.1)
+    return before, removed
+
+
+def withdraw(conn: redis.Redis, queue: str, job_id: str) -> int:
+    """Cancel the job's requests still queued in ``queue``; returns how many."""
+    requests = RequestQueue(conn, queue)
+    ids = [request_id for request_id, _ in  # sched: every queued or running request, small values
+           conn.hscan_iter(requests.keys.sched, match=f"{job_id}[:#]*", count=WITHDRAW_SCAN)]
+    removed = 0
+    for start in range(0, len(ids), WITHDRAW_SCAN):
+        removed += sum(1 for flag in requests.cancel(ids[start:start + WITHDRAW_SCAN]) if flag)
+    return removed
+
+
+def worker_command(url: str, jobs_queue: str = JOBS_QUEUE) -> str:
+    """The plain `rq worker` line that runs these jobs as `batchery jobs-worker` does."""
+    return (f"rq worker --url {url} --serializer json "
+            f"--worker-class batchery.producer.jobs_worker.JobsWorker {jobs_queue}")
+

@@ -1,0 +1,84 @@
+"""The RQ worker class for offline jobs (``batchery jobs-worker``).
+
+RQ's ``SimpleWorker`` (the job runs in the worker process, so killing the worker kills
+the job) with what long offline jobs need:
+
+- a heartbeat thread while a job runs, so a killed worker's job is known abandoned
+  after ``3 x job_monitoring_interval`` (not RQ's 60 s + the job's whole timeout), and
+  maintenance (which retries abandoned jobs) as often, also while idle;
+- a job cancelled while running (``batchery cancel``) stays cancelled in RQ when its
+  function returns, instead of being marked finished;
+- a warm shutdown (SIGTERM) hands the running job back to the queue within a second,
+  instead of waiting for a job that may run for hours.
+
+``rq worker --worker-class batchery.producer.jobs_worker.JobsWorker`` runs it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.worker import SimpleWorker, WorkerStatus
+
+from batchery.producer import jobrun
+
+log = logging.getLogger(__name__)
+ABANDONED_AFTER_BEATS = 3  # missed heartbeats before a job counts as abandoned
+
+
+class JobsWorker(SimpleWorker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("job_monitoring_interval", 10)
+        super().__init__(*args, **kwargs)
+        if "maintenance_interval" not in kwargs:
+            self.maintenance_interval = self.abandoned_after
+
+    @property
+    def abandoned_after(self) -> int:
+        return int(self.job_monitoring_interval * ABANDONED_AFTER_BEATS)
+
+    @property
+    def dequeue_timeout(self) -> int:
+        """Wake from waiting for jobs in time for the next maintenance."""
+        return max(1, min(int(self.maintenance_interval), self.worker_ttl - 15))
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        return self.abandoned_after
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        execution = self.prepare_execution(job)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.job_monitoring_interval):
+                try:
+                    self.maintain_heartbeats(job, execution)
+                except Exception as exc:  # Redis away for a moment: the next beat retries
+                    log.warning("job heartbeat failed (%s)", exc)
+
+        heart = threading.Thread(target=beat, name="batchery-job-heartbeat", daemon=True)
+        heart.start()
+        try:
+            self.perform_job(job, queue, execution)
+        finally:
+            stop.set()
+            heart.join()
+        self.set_state(WorkerStatus.IDLE)
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any,
+                           execution: Any) -> None:
+        if job.get_status(refresh=True) == JobStatus.CANCELED:  # cancelled while running
+            with self.connection.pipeline() as pipeline:
+                self.cleanup_execution(job, pipeline=pipeline, execution=execution)
+                pipeline.execute()
+            job._status = JobStatus.CANCELED
+            return
+        super().handle_job_success(job, queue, started_job_registry, execution)
+
+    def handle_warm_shutdown_request(self) -> None:
+        super().handle_warm_shutdown_request()
+        jobrun.SHUTDOWN.set()

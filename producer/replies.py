@@ -1,0 +1,156 @@
+"""One blocking read per client: a reply list that workers push results onto.
+
+Each client owns one list (``Keys.reply(client_id)``); a single reader pops results in
+bulk and resolves the futures of the handles waiting on them. A result nobody waits
+for any more (its handle was dropped) is not kept: it stays readable under its key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+import redis
+
+from batchery.batching.messages import Result
+
+log = logging.getLogger(__name__)
+BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
+DRAIN = 1000       # results popped per round trip once one arrived
+RETRY_CAP_S = 2.0
+
+
+class ReplyListener:
+    """Resolves concurrent.futures of one synchronous client, from a daemon thread."""
+
+    def __init__(self, client: Any, reply_key: str) -> None:
+        self._client = client
+        self._key = reply_key
+        self._waiters: weakref.WeakValueDictionary[str, Future] = weakref.WeakValueDictionary()
+        self._sinks: dict[str, Callable[[Result], None]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, request_id: str) -> Future:
+        """A future for the request's result; register it before enqueueing the request."""
+        with self._lock:
+            future = self._waiters.get(request_id)
+            if future is None:
+                future = Future()
+                self._waiters[request_id] = future
+            self._start()
+        return future
+
+    def collect(self, request_ids: Iterable[str], sink: Callable[[Result], None]) -> None:
+        """Hand each request's result to ``sink`` once, from the listener thread.
+
+        What ``Client.stream`` waits with: no future per request. Register before
+        enqueueing; ``forget`` the ids no longer waited for.
+        """
+        with self._lock:
+            self._sinks.update((request_id, sink) for request_id in request_ids)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="batchery-replies", daemon=True)
+            self._thread.start()
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._waiters.pop(request_id, None)
+            self._sinks.pop(request_id, None)
+
+    def deliver(self, result: Result) -> None:
+        """Resolve the waiter of a result found another way (a direct read)."""
+        with self._lock:
+            sink = self._sinks.pop(result.id, None)
+            future = self._waiters.pop(result.id, None) if len(self._waiters) else None
+        if sink is not None:
+            sink(result)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=BLOCK_S * 4)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                for raw in self._pop():
+                    self.deliver(Result.from_json(raw))
+                backoff = 0.05
+            except redis.RedisError as exc:  # Redis restarting: wait and carry on
+                log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, RETRY_CAP_S)
+
+    def _pop(self) -> list[str]:
+        first = self._client.blpop([self._key], timeout=BLOCK_S)
+        if not first:
+            return []
+        return [first[1], *(self._client.lpop(self._key, DRAIN) or [])]
+
+
+class AsyncReplyListener:
+    """The asyncio twin of ReplyListener: one task per client resolves asyncio futures."""
+
+    def __init__(self, client: Any, reply_key: str) -> None:
+        self._client = client
+        self._key = reply_key
+        self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    def watch(self, request_id: str) -> asyncio.Future:
+        future = self._waiters.get(request_id)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._waiters[request_id] = future
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="batchery-replies")
+        return future
+
+    def deliver(self, result: Result) -> None:
+        future = self._waiters.pop(result.id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def close(self) -> None:
+        """Stop after the current blocking pop (at most BLOCK_S) rather than cancel it:
+        cancelling a read redis-py has nearly finished can leave the task stuck."""
+        if self._task is None:
+            return
+        self._stopping = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), BLOCK_S * 4)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._stopping:
+            try:
+                first = await self._client.blpop([self._key], timeout=BLOCK_S)
+                if first:
+                    rest = await self._client.lpop(self._key, DRAIN) or []
+                    for raw in [first[1], *rest]:
+                        self.deliver(Result.from_json(raw))
+                backoff = 0.05
+            except redis.RedisError as exc:
+                log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_CAP_S)
+
+
+def monotonic_deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout

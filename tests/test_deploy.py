@@ -1,0 +1,448 @@
+"""deploy/ and the Procfile stay true to the code (no network, Docker or Kubernetes needed).
+
+Every YAML and JSON file parses; every `batchery` command line in them (and in the README's
+Deploy section) parses with batchery's own click commands; every environment variable
+they set is one batchery reads; every metric a PromQL query names is declared in
+workers/metrics.py with the labels used; and the manifests agree with each other (ports,
+selectors, the queue KEDA watches, the files the Dockerfile copies).
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import re
+import shlex
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import pytest
+import yaml
+from prometheus_client.metrics import MetricWrapperBase
+
+from batchery import config
+from batchery.cli import cli
+from batchery.workers import metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DASHBOARD = DEPLOY / "grafana" / "batchery.json"
+SCALEDOBJECT = DEPLOY / "keda" / "scaledobject.yaml"
+PROCFILE = ROOT / "Procfile"
+TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped series
+
+
+# -- batchery's command line, as click sees it ----------------------------------------------
+def _walk(command: click.Command) -> Iterator[click.Command]:
+    yield command
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            yield from _walk(sub)
+
+
+BATCHERY_ENV = ({e for c in _walk(cli) for p in c.params if p.envvar
+                 for e in ([p.envvar] if isinstance(p.envvar, str) else p.envvar)}
+                | {v for k, v in vars(config).items() if k.startswith("ENV_")})
+
+
+def parse(argv: list[str], where: str, loose: bool = False) -> click.Context:
+    """Parse argv as `batchery` would (subcommands, options, types), without running it.
+
+    loose: a mention in prose, where only the command and option names must exist.
+    """
+    assert argv and argv[0] == "batchery", f"{where}: not a batchery command: {argv}"
+    command: click.Command = cli
+    args, name, ctx = argv[1:], "batchery", None
+    try:
+        while True:
+            ctx = command.make_context(name, list(args), parent=ctx, resilient_parsing=loose)
+            if not isinstance(command, click.Group):
+                return ctx
+            rest = [*vars(ctx).get("_protected_args", vars(ctx).get("protected_args", [])),
+                    *ctx.args]
+            if not rest and loose:
+                return ctx
+            name, sub, args = command.resolve_command(ctx, rest)
+            assert name is not None and sub is not None
+            command = sub
+    except click.ClickException as exc:
+        pytest.fail(f"{where}: `{shlex.join(argv)}`: {exc.format_message()}")
+
+
+@pytest.fixture
+def check(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """parse() under exactly the given environment (the host's BATCHERY_* left out)."""
+    def run(argv: list[str], where: str, env: dict[str, str] | None = None,
+            loose: bool = False) -> click.Context:
+        with monkeypatch.context() as m:
+            for key in BATCHERY_ENV:
+                m.delenv(key, raising=False)
+            for key, value in (env or {}).items():
+                m.setenv(key, value)
+            return parse(argv, where, loose)
+    return run
+
+
+def _unshell(line: str) -> str:
+    """${VAR:-default} -> default: what the shell runs when VAR is unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", line)
+
+
+def _examples(text: str, where: str) -> Iterator[tuple[list[str], str, bool]]:
+    """batchery command lines shown in comments or docs: (argv, where, loose).
+
+    Indented example lines (`#   batchery ...`, `... -- batchery ...`) must parse in full;
+    `batchery x` in backticks only has to name real commands and options.
+    """
+    for n, line in enumerate(text.splitlines(), 1):
+        example = re.match(r"\s*#\s{2,}(.*)", line)
+        if example:
+            m = re.search(r"(?:^|\s--\s|\$\()(batchery\s[^`)]*)", example.group(1))
+            if m:
+                yield shlex.split(m.group(1)), f"{where}:{n}", False
+        for span in re.findall(r"`(batchery\s[^`]*)`", line):
+            yield shlex.split(span), f"{where}:{n}", True
+
+
+# -- the files ------------------------------------------------------------------------------
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in yaml_docs(p)]
+
+
+def deployments() -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in k8s_objects() if d["kind"] == "Deployment"}
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) with continuation lines joined and comments dropped."""
+    lines = [l for l in DOCKERFILE.read_text().splitlines() if not l.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [(l.split(None, 1)[0].upper(), l.split(None, 1)[1]) for l in joined.splitlines()
+            if l.strip()]
+
+
+def docker_env() -> dict[str, str]:
+    return dict(kv.split("=", 1) for op, rest in dockerfile() if op == "ENV"
+                for kv in shlex.split(rest))
+
+
+def docker_json(op: str) -> list[str]:
+    found = [json.loads(rest) for o, rest in dockerfile() if o == op]
+    assert len(found) == 1, f"deploy/Dockerfile: want one {op} in JSON form"
+    return found[0]
+
+
+def kustomization() -> dict[str, Any]:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def config_maps() -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d.get("data", {}) for _, d in k8s_objects()
+            if d["kind"] == "ConfigMap"}
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The literal environment a container gets (ConfigMaps and values; not Secrets)."""
+    env = dict(docker_env())
+    cms = config_maps()
+    for source in container.get("envFrom", []):
+        env.update(cms[source["configMapRef"]["name"]])
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def container_argv(container: dict[str, Any]) -> list[str]:
+    return [*container.get("command", docker_json("ENTRYPOINT")), *container.get("args", [])]
+
+
+def worker_containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    return [(name, d, c) for name, d in deployments().items() for c in containers(d)
+            if container_argv(c)[:2] == ["batchery", "worker"]]
+
+
+# -- metrics --------------------------------------------------------------------------------
+def series() -> dict[str, set[str]]:
+    """Every series name workers/metrics.py exports -> its labels."""
+    out: dict[str, set[str]] = {}
+    for obj in vars(metrics).values():
+        if not isinstance(obj, MetricWrapperBase):
+            continue
+        labels = set(obj._labelnames)
+        for m in obj.describe():
+            if m.type == "counter":
+                out[m.name + "_total"] = labels
+            elif m.type == "histogram":
+                out.update({m.name + "_bucket": labels | {"le"}, m.name + "_sum": labels,
+                            m.name + "_count": labels})
+            elif m.type == "summary":
+                out.update({m.name: labels | {"quantile"}, m.name + "_sum": labels,
+                            m.name + "_count": labels})
+            else:  # gauge
+                out[m.name] = labels
+    return out
+
+
+def check_promql(expr: str, where: str, legend: str = "") -> set[str]:
+    """Metric names and labels in expr are declared; returns the metric base names used."""
+    known = series()
+    names = set(re.findall(r"\b(batchery_\w+)", expr))
+    assert names, f"{where}: no batchery metric in {expr!r}"
+    unknown = names - set(known)
+    assert not unknown, f"{where}: {sorted(unknown)} not exported by workers/metrics.py " \
+                        f"(it exports {sorted(known)})"
+    for name, selector in re.findall(r"\b(batchery_\w+)\s*\{([^}]*)\}", expr):
+        for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector):
+            assert label in known[name], f"{where}: {name} has no label {label!r}"
+    allowed = set().union(*(known[n] for n in names)) | TARGET_LABELS
+    grouped = {l.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
+               for l in g.split(",") if l.strip()}
+    assert grouped <= allowed, f"{where}: grouping by {sorted(grouped - allowed)}: no such label"
+    shown = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+    assert shown <= allowed, f"{where}: legend shows {sorted(shown - allowed)}: no such label"
+    # Every worker exports the whole queue's depth: summing it over workers counts it N times.
+    for m in re.finditer(r"batchery_queue_depth", expr):
+        before = expr[:m.start()]
+        assert re.search(r"\b(max|min|avg|label_values)\s*(?:by\s*\([^)]*\)\s*)?\(\s*$",
+                         before), \
+            f"{where}: take max (not sum) of batchery_queue_depth across workers"
+    return {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in names}
+
+
+# -- tests ----------------------------------------------------------------------------------
+def test_every_yaml_file_parses() -> None:
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert K8S / "kustomization.yaml" in files and SCALEDOBJECT in files
+    for path in files:
+        for doc in yaml_docs(path):
+            assert isinstance(doc, dict), f"{path.relative_to(ROOT)}: not a mapping"
+            assert doc.get("apiVersion") and doc.get("kind"), f"{path.relative_to(ROOT)}: no kind"
+
+
+def test_kustomization_lists_real_files_and_images() -> None:
+    k = kustomization()
+    for resource in k["resources"]:
+        assert (K8S / resource).is_file(), f"kustomization.yaml: {resource} does not exist"
+    listed = set(k["resources"]) | set(re.findall(r"#\s*-\s*(\S+\.yaml)",
+                                                   (K8S / "kustomization.yaml").read_text()))
+    for path in K8S.glob("*.yaml"):
+        assert path.name == "kustomization.yaml" or path.name in listed, \
+            f"deploy/k8s/{path.name}: not a resource (nor a commented one) of kustomization.yaml"
+    images = {i["name"] for i in k.get("images", [])}
+    for name, d in deployments().items():
+        for c in containers(d):
+            assert c["image"] in images, f"{name}: image {c['image']!r} not set in kustomization"
+
+
+def test_deployments_select_their_pods() -> None:
+    for name, d in deployments().items():
+        want = d["spec"]["selector"]["matchLabels"].items()
+        assert want <= d["spec"]["template"]["metadata"]["labels"].items(), name
+        assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True, name
+    assert {"worker", "jobs-worker"} <= {container_argv(c)[1] for d in deployments().values()
+                                         for c in containers(d)}
+
+
+def test_manifest_command_lines_parse(check: Any) -> None:
+    for name, d in deployments().items():
+        for c in containers(d):
+            check(container_argv(c), f"deploy/k8s {name}", container_env(c))
+
+
+def test_workers_serve_metrics_where_probes_and_scrapers_look(check: Any) -> None:
+    assert worker_containers(), "no Deployment runs `batchery worker`"
+    for name, d, c in worker_containers():
+        port = check(container_argv(c), name, container_env(c)).params["metrics_port"]
+        assert port, f"{name}: give the worker --metrics-port"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports.get("metrics") == port, f"{name}: containerPort 'metrics' is not {port}"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] in ("metrics", port), f"{name}: {probe} port"
+        notes = d["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/port"] == str(port), f"{name}: prometheus.io/port"
+        assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 60, \
+            f"{name}: SIGTERM waits for the running batch: allow it time"
+    for mon in yaml_docs(K8S / "podmonitor.yaml"):
+        labels = mon["spec"]["selector"]["matchLabels"].items()
+        assert any(labels <= d["spec"]["template"]["metadata"]["labels"].items()
+                   for _, d, _ in worker_containers()), "PodMonitor selects no worker pods"
+        assert {e["port"] for e in mon["spec"]["podMetricsEndpoints"]} == {"metrics"}
+
+
+def test_env_names_are_read_by_batchery() -> None:
+    names = set(docker_env())
+    for _, d in k8s_objects():
+        if d["kind"] == "ConfigMap":
+            names |= set(d.get("data", {}))
+        if d["kind"] == "Deployment":
+            names |= {e["name"] for c in containers(d) for e in c.get("env", [])}
+    unknown = {n for n in names if n.startswith("BATCHERY_")} - BATCHERY_ENV
+    assert not unknown, f"batchery reads no {sorted(unknown)} (it reads {sorted(BATCHERY_ENV)})"
+
+
+def test_secret_creation_is_documented() -> None:
+    howto = (K8S / "kustomization.yaml").read_text()
+    for name, d in deployments().items():
+        for c in containers(d):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert f"create secret generic {ref['name']}" in howto, name
+                    assert f"--from-literal={ref['key']}=" in howto, name
+    secrets = [p for p, d in k8s_objects() if d["kind"] == "Secret"]
+    assert not secrets, f"{secrets}: create Secrets out of band, never commit them"
+
+
+def test_keda_scales_the_worker_on_its_queue_depth(check: Any) -> None:
+    (so,) = yaml_docs(SCALEDOBJECT)
+    target = so["spec"]["scaleTargetRef"]["name"]
+    workers = {name: c for name, _, c in worker_containers()}
+    assert target in workers, f"KEDA scales {target!r}, which runs no `batchery worker`"
+    assert so["metadata"]["namespace"] == kustomization()["namespace"]
+    assert so["spec"]["minReplicaCount"] >= 1, \
+        "with no worker nobody exports batchery_queue_depth: KEDA could not scale up from 0"
+    worker = workers[target]
+    queue = check(container_argv(worker), target, container_env(worker)).params["queue"]
+    for trigger in so["spec"]["triggers"]:
+        assert trigger["type"] == "prometheus"
+        query = trigger["metadata"]["query"]
+        assert check_promql(query, "deploy/keda") == {"batchery_queue_depth"}
+        assert f'queue="{queue}"' in query, f"KEDA watches another queue than {target}'s {queue!r}"
+        assert float(trigger["metadata"]["threshold"]) > 0
+
+
+def test_dashboard_queries_declared_metrics() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    assert "datasource" in variables
+    used: set[str] = set()
+    queries = [(v["definition"], f"variable {v['name']}", "") for v in dash["templating"]["list"]
+               if v["type"] == "query"]
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        queries += [(t["expr"], f"panel {panel['title']!r}", t.get("legendFormat", ""))
+                    for t in panel["targets"]]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    for expr, where, legend in queries:
+        used |= check_promql(expr, f"deploy/grafana {where}", legend)
+        for var in re.findall(r"\$\{?(\w+)", expr):
+            assert var.startswith("__") or var in variables, f"{where}: no variable ${var}"
+    declared = {m.describe()[0].name for m in vars(metrics).values()
+                if isinstance(m, MetricWrapperBase)}
+    assert declared - used == set(), f"no dashboard panel shows {sorted(declared - used)}"
+
+
+def test_dockerfile_builds_what_setup_cfg_installs(check: Any) -> None:
+    steps = dockerfile()
+    assert docker_json("ENTRYPOINT") == ["batchery"]
+    env = docker_env()
+    ctx = check(["batchery", *docker_json("CMD")], "deploy/Dockerfile CMD", env)
+    assert ctx.command.name == "worker"
+    port = ctx.params["metrics_port"]
+    assert port and str(port) in " ".join(r for op, r in steps if op == "EXPOSE")
+    assert env.get("HF_HUB_OFFLINE") == "1"
+    user = [r for op, r in steps if op == "USER"]
+    assert user and user[-1].split(":")[0] not in ("root", "0"), "run as a non-root user"
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    dirs = {v.strip().split("/")[0] for line in cfg["options"]["package_dir"].splitlines()
+            if "=" in line for v in [line.split("=", 1)[1]]}
+    files = {"setup.cfg", "pyproject.toml"} | set(
+        re.findall(r"file:\s*(\S+)", cfg["metadata"].get("long_description", "")))
+    copied = {Path(s).as_posix().rstrip("/") for op, rest in steps if op == "COPY"
+              for s in shlex.split(rest)[:-1] if not s.startswith("--")}
+    missing = (dirs | files) - copied
+    assert not missing, f"deploy/Dockerfile does not COPY {sorted(missing)}, which pip reads"
+    for source in copied:
+        assert (ROOT / source).exists(), f"deploy/Dockerfile copies {source}, which is missing"
+        assert not dockerignored(source), f".dockerignore keeps {source} out of the build"
+
+    extras = set(cfg["options.extras_require"])
+    installs = [r for op, r in steps if op == "RUN" and "pip install" in r and "[" in r]
+    assert installs, "deploy/Dockerfile never pip-installs batchery with its extras"
+    for wanted in re.findall(r"\[([\w,]+)\]", installs[0])[0].split(","):
+        assert wanted in extras, f"setup.cfg has no extra {wanted!r}"
+    torch_arg = re.search(r"ARG TORCH=(\S+)", DOCKERFILE.read_text())
+    torch_make = re.search(r"^TORCH\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert torch_arg and torch_make and torch_arg.group(1) == torch_make.group(1), \
+        "deploy/Dockerfile's torch pin differs from the Makefile's"
+
+
+def dockerignored(path: str) -> bool:
+    ignored = False
+    for pattern in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = pattern.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        parts = Path(path).parts
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if any(fnmatch(p, pattern) or fnmatch(p, pattern.replace("**/", "")) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    for path in (".venv", ".git", "bench/out", ".batchery", "workers/__pycache__", ".env"):
+        assert dockerignored(path), f".dockerignore should exclude {path}"
+
+
+def test_procfile_runs_redis_worker_and_jobs(check: Any) -> None:
+    procs = dict(line.split(":", 1) for line in PROCFILE.read_text().splitlines()
+                 if line.strip() and not line.startswith("#"))
+    assert {"redis", "worker", "jobs"} <= set(procs), "SPEC: redis / worker / jobs processes"
+    redis_port = re.search(r"--port\s+(\d+)", procs["redis"])
+    assert redis_port and "--appendonly yes" in procs["redis"]
+    commands = {}
+    for name, line in procs.items():
+        for part in re.split(r"&&|;", _unshell(line)):
+            argv = shlex.split(part)
+            if argv and argv[0] == "exec":
+                argv = argv[1:]
+            if argv and argv[0] == "batchery":
+                commands[name] = check(argv, f"Procfile {name}")
+    assert commands["worker"].command.name == "worker"
+    assert commands["jobs"].command.name == "jobs-worker"
+    for name, ctx in commands.items():
+        url = ctx.params["redis_url"]
+        assert url.endswith(f":{redis_port.group(1)}/0"), \
+            f"Procfile {name}: {url} is not the redis process's port"
+
+
+def test_documented_command_lines_parse(check: Any) -> None:
+    texts = {p.relative_to(ROOT).as_posix(): p.read_text()
+             for p in [PROCFILE, DOCKERFILE, *sorted(DEPLOY.rglob("*.yaml"))]}
+    readme = (ROOT / "README.md").read_text()
+    deploy = re.search(r"^## Deploy\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
+    assert deploy, "README.md has no '## Deploy' section"
+    found = 0
+    for where, text in texts.items():
+        for argv, at, loose in _examples(text, where):
+            check(argv, at, loose=loose)
+            found += 1
+    for span in re.findall(r"`(batchery\s[^`]*)`", deploy.group(1)):
+        check(shlex.split(span), "README Deploy", loose=True)
+        found += 1
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", deploy.group(1), re.S):
+        for n, line in enumerate(block.replace("\\\n", " ").splitlines(), 1):
+            m = re.search(r"(?:^|\s--\s|\$\()\s*(batchery\s[^)#]*)", line)
+            if m:
+                check(shlex.split(_unshell(m.group(1))), f"README Deploy block line {n}")
+                found += 1
+    assert found >= 5, "expected documented batchery commands in deploy/ and the README"

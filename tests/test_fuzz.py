@@ -1,0 +1,87 @@
+"""Arbitrary input never crashes anything: enqueue refuses it clearly or accepts it, and a
+running worker (the real MiniLM model) answers each accepted request and keeps serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchery import Client, InvalidRequest
+from batchery.batching.messages import Request
+from tests.conftest import RedisServer, start_worker, stop_process, wait_for
+
+pytestmark = pytest.mark.slow
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=300),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20)
+awkward = st.sampled_from([
+    "", " ", "x" * 2_000_000, "\x00\x01", "日本語のテキスト", "🙂" * 1000, float("inf"),
+    {"text": None}, {"text": ["a"]}, {"text": "fine"}, [], {}, 10 ** 40, -0.0,
+])
+lone_surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
+                          max_size=3)
+field_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 9), st.floats(),
+                         st.text(max_size=20), st.lists(st.integers(), max_size=2))
+
+
+@pytest.fixture(scope="module")
+def served(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    log = tmp_path_factory.mktemp("fuzz") / "worker.log"
+    worker = start_worker(redis_server.url, "fuzz", "--task", "embed", "--model", "minilm",
+                          "--device", "cpu", log=log)
+    client = Client(redis_server.url, "fuzz")
+    wait_for(lambda: client.queue.stats()["workers"] == 1, 120, message="the MiniLM worker")
+    accepted: list = []
+    yield client, accepted, worker, log
+    client.close()
+    stop_process(worker)
+
+
+def submit(client: Client, accepted: list, fields: dict[str, Any]) -> None:
+    try:
+        accepted.append(client.enqueue_many([fields])[0])
+    except InvalidRequest as exc:  # RequestTooLarge is one too
+        assert str(exc) and "Traceback" not in str(exc)
+
+
+@given(st.one_of(json_values, awkward, lone_surrogates))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_any_input_is_refused_clearly_or_answered(served: tuple, value: Any) -> None:
+    client, accepted, _, _ = served
+    submit(client, accepted, {"input": value})
+
+
+@given(st.fixed_dictionaries({"input": st.just("text")},
+                             optional={"priority": field_values, "deadline": field_values,
+                                       "tokens": field_values, "meta": field_values,
+                                       "id": field_values}))
+@settings(max_examples=150, deadline=None)
+def test_any_request_fields_are_refused_clearly_or_accepted(served: tuple, fields: dict) -> None:
+    client, accepted, _, _ = served
+    submit(client, accepted, fields)
+
+
+def test_the_worker_answered_everything_and_keeps_serving(served: tuple) -> None:
+    client, accepted, worker, log = served
+    garbage = Request.validated(id="garbage-bytes", input="replaced below")
+    client.queue.enqueue([garbage], client.client_id)
+    client.queue.client.hset(client.queue.keys.requests, garbage.id, b"\xff\xfe{not json")
+    handles = [*accepted, client.handle(garbage.id)]
+    results = [h.result(timeout=120) for h in handles]
+    assert len(results) > 100
+    for result in results:
+        assert result.status in ("ok", "error", "expired"), result
+        if result.status == "ok":
+            assert len(result.output) == 384
+        else:
+            assert result.error["message"]
+    assert results[-1].status == "error" and "not JSON" in results[-1].error["message"]
+    assert client.enqueue("still serving").result(timeout=60).ok
+    assert worker.poll() is None
+    assert "Traceback" not in Path(log).read_text()

@@ -1,0 +1,124 @@
+"""Batch formation: the pure rule's invariants, and the Lua claim agreeing with it."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchery.batching.keys import Keys
+from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch
+from batchery.batching.queue import RequestQueue
+from tests.conftest import RedisServer
+
+NOW = 1_800_000_000_000
+
+
+@st.composite
+def lookaheads(draw: st.DrawFn) -> tuple[list[Candidate], int, int, int]:
+    n = draw(st.integers(0, 40))
+    drawn = []
+    for _ in range(n):
+        enqueued = NOW - draw(st.integers(0, 70_000))
+        delay = draw(st.sampled_from([0, 5000, 60_000, 7]))  # classes, and an integer priority
+        drawn.append((enqueued + delay, enqueued, draw(st.integers(1, 600)),
+                      draw(st.sampled_from([0, 0, 0, NOW - 1, NOW + 1000]))))
+    drawn.sort(key=lambda c: c[0])  # rank order; ties: by id, as Redis orders them
+    candidates = [Candidate(id=f"r{i:02d}", tokens=tokens, enqueued_ms=enqueued,
+                            expire_ms=expire, rank=rank)
+                  for i, (rank, enqueued, tokens, expire) in enumerate(drawn)]
+    return (candidates, draw(st.integers(1, 16)), draw(st.integers(1, 4096)),
+            draw(st.sampled_from([0, 50, 500])))
+
+
+@given(lookaheads())
+@settings(max_examples=500, deadline=None)
+def test_budgets_hold_and_head_is_included(case: tuple) -> None:
+    candidates, max_size, max_tokens, max_wait = case
+    chosen = select_batch(candidates, NOW, max_size, max_tokens, max_wait)
+    by_id = {c.id: c for c in candidates}
+    live = [c for c in candidates if not 0 < c.expire_ms <= NOW]
+    assert set(chosen.expired) == {c.id for c in candidates if 0 < c.expire_ms <= NOW}
+    assert not set(chosen.batch) & set(chosen.expired)
+    assert len(chosen.batch) == len(set(chosen.batch)) <= max_size
+    if chosen.batch:
+        assert chosen.batch[0] == live[0].id  # the head, always
+        assert chosen.wait_ms == 0
+        if len(chosen.batch) > 1:  # a lone head may exceed the budget; a batch never does
+            assert padded_tokens([by_id[i].tokens for i in chosen.batch]) <= max_tokens
+    elif live:
+        assert 0 < chosen.wait_ms <= max_wait  # held back, and only while under max_wait
+
+
+@given(lookaheads())
+@settings(max_examples=200, deadline=None)
+def test_repeated_claims_take_everything_exactly_once(case: tuple) -> None:
+    candidates, max_size, max_tokens, _ = case
+    remaining, taken = list(candidates), []
+    while remaining:
+        chosen = select_batch(remaining, NOW, max_size, max_tokens, 0)
+        step = chosen.batch + chosen.expired
+        assert step, "a claim with candidates and no wait must take something"
+        taken += step
+        remaining = [c for c in remaining if c.id not in set(step)]
+    assert sorted(taken) == sorted(c.id for c in candidates)
+
+
+def test_a_full_batch_goes_at_once_and_a_partial_one_waits() -> None:
+    fresh = [Candidate(f"r{i}", 10, NOW) for i in range(4)]
+    assert select_batch(fresh, NOW, 4, 1000, 50).batch == ["r0", "r1", "r2", "r3"]
+    assert select_batch(fresh[:3], NOW, 4, 1000, 50).wait_ms == 50
+    assert select_batch(fresh[:3], NOW + 50, 4, 1000, 50).batch == ["r0", "r1", "r2"]
+    # over the token budget counts as full: waiting would not add anything that fits
+    assert select_batch(fresh[:3], NOW, 4, 25, 50).batch == ["r0", "r1"]
+
+
+def test_similar_lengths_are_preferred() -> None:
+    lengths = [100, 10, 95, 12, 105, 11]
+    candidates = [Candidate(f"r{i}", t, NOW - 100) for i, t in enumerate(lengths)]
+    assert select_batch(candidates, NOW, 3, 10_000, 0).batch == ["r0", "r2", "r4"]
+
+
+def test_a_more_urgent_class_joins_before_better_fitting_less_urgent_ones() -> None:
+    # realtime requests of varied length, then batch-class ones exactly the head's length
+    realtime = [Candidate(f"rt{i}", t, NOW + i, rank=NOW + i) for i, t in enumerate([50, 10, 200, 90])]
+    flood = [Candidate(f"b{i}", 50, NOW - 59_000, rank=NOW + 1000 + i) for i in range(10)]
+    chosen = select_batch(realtime + flood, NOW, 4, 10_000, 0).batch
+    assert chosen == ["rt0", "rt1", "rt2", "rt3"]
+    # with room left, the less urgent fill it by length
+    assert select_batch(realtime[:2] + flood, NOW, 4, 10_000, 0).batch == ["rt0", "rt1", "b0", "b1"]
+
+
+def test_aging_rank_lets_an_old_batch_request_beat_new_realtime_ones() -> None:
+    old_batch = rank(enqueued_ms=0, class_delay_ms=60_000)
+    assert rank(59_999, 0) < old_batch < rank(60_001, 0)
+
+
+@given(lookaheads())
+@settings(max_examples=60, deadline=None)
+def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: tuple) -> None:
+    candidates, max_size, max_tokens, max_wait = case
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, "policy-agreement")
+    k: Keys = queue.keys
+    client.delete(*[getattr(k, name) for name in ("pending", "sched", "requests", "leased",
+                                                    "owner", "delayed", "depth", "attempts")])
+    server_now = int(client.time()[0]) * 1000
+    shift = server_now - NOW  # the same offsets from "now", on the server's clock
+    for c in candidates:
+        expire = c.expire_ms + shift if c.expire_ms else 0
+        client.zadd(k.pending, {c.id: c.rank + shift})
+        client.hset(k.sched, c.id, f"{c.tokens}:{expire}:{c.enqueued_ms + shift}:{c.rank + shift}:normal:")
+        client.hset(k.requests, c.id, json.dumps({"input": c.id}))
+    reply = queue.claim("w#1", max_size, max_tokens, max_wait, lookahead=len(candidates) or 1)
+    shifted = [Candidate(c.id, c.tokens, c.enqueued_ms + shift,
+                         c.expire_ms + shift if c.expire_ms else 0, c.rank + shift)
+               for c in candidates]
+    expected = select_batch(shifted, reply.now_ms, max_size, max_tokens, max_wait)
+    assert [r.id for r in reply.expired] == expected.expired
+    assert [r.id for r in reply.batch] == expected.batch
+    if candidates and not expected.batch and not expected.expired:
+        assert reply.wait_ms == expected.wait_ms
+    client.close()

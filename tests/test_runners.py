@@ -1,0 +1,112 @@
+"""Model runners: real MiniLM against sentence-transformers; small random models from configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, GPT2Config,
+                          GPT2LMHeadModel)
+
+from batchery.errors import ConfigError
+from batchery.workers.runners import InputError, load_runner
+from batchery.workers.runners.hf import resolve_model
+from bench.corpus import paragraphs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_runner("embed", "minilm", None, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small classification and generation models with random weights (no download)."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))
+    torch.manual_seed(0)
+    small = dict(vocab_size=tokenizer.vocab_size, num_hidden_layers=2, num_attention_heads=2)
+    classify = BertForSequenceClassification(BertConfig(
+        hidden_size=32, intermediate_size=64, max_position_embeddings=128, num_labels=3,
+        id2label={0: "negative", 1: "neutral", 2: "positive"},
+        label2id={"negative": 0, "neutral": 1, "positive": 2}, **small))
+    generate = GPT2LMHeadModel(GPT2Config(
+        vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+        bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id))
+    paths = {}
+    for name, model in (("classify", classify), ("generate", generate)):
+        paths[name] = root / name
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
+
+
+def test_embeddings_match_sentence_transformers(minilm) -> None:
+    from sentence_transformers import SentenceTransformer
+    texts = paragraphs(200)[::4] + ["", "a", " ".join(paragraphs(30))]  # empty, tiny, > 256 tokens
+    ours = []
+    for i in range(0, len(texts), 16):
+        prepared = minilm.prepare(texts[i:i + 16])
+        ours += minilm.run(prepared.data)
+    reference = SentenceTransformer(minilm.tokenizer, device="cpu").encode(
+        texts, normalize_embeddings=True, batch_size=32)
+    assert np.abs(np.array(ours) - reference).max() < 1e-5
+    assert minilm.max_input_tokens == 256  # sentence_bert_config.json, not the tokenizer's 512
+
+
+def test_embed_accepts_text_objects_and_rejects_other_inputs(minilm) -> None:
+    assert minilm.prepare([{"text": "hello"}, "hello"]).lengths == [3, 3]
+    for bad in (42, None, ["a"], {"txt": "x"}):
+        with pytest.raises(InputError, match="must be a string or an object"):
+            minilm.prepare([bad])
+
+
+def test_padding_is_to_the_longest_in_the_batch(minilm) -> None:
+    prepared = minilm.prepare(["short", "a somewhat longer sentence than the first one"])
+    assert prepared.padded == 2 * max(prepared.lengths)
+    assert 0 < prepared.efficiency < 1
+
+
+def test_classify_gives_labels_and_scores_independent_of_batching(tiny_models) -> None:
+    runner = load_runner("classify", str(tiny_models["classify"]), None, "cpu")
+    texts = paragraphs(6)
+    batched = runner.run(runner.prepare(texts).data)
+    alone = [runner.run(runner.prepare([t]).data)[0] for t in texts]
+    for b, a in zip(batched, alone):
+        assert b["label"] in ("negative", "neutral", "positive")
+        assert sum(b["scores"].values()) == pytest.approx(1, abs=1e-4)
+        assert b["scores"] == pytest.approx(a["scores"], abs=1e-4)
+        assert b["label"] == max(b["scores"], key=b["scores"].get)
+
+
+def test_generate_honours_max_new_tokens_with_left_padding(tiny_models) -> None:
+    runner = load_runner("generate", str(tiny_models["generate"]), None, "cpu")
+    inputs = ["Once upon a time", {"prompt": "The standard library", "max_new_tokens": 5},
+              {"text": "x", "max_new_tokens": 12}]
+    prepared = runner.prepare(inputs)
+    outputs = runner.run(prepared.data)
+    assert [o["tokens"] <= n for o, n in zip(outputs, [32, 5, 12])] == [True] * 3
+    assert all(isinstance(o["text"], str) for o in outputs)
+    assert runner.run(prepared.data) == outputs  # greedy: deterministic
+    assert runner.run(runner.prepare([inputs[1]]).data)[0]["text"] == outputs[1]["text"]
+    with pytest.raises(InputError, match="max_new_tokens must be an integer"):
+        runner.prepare([{"prompt": "x", "max_new_tokens": 0}])
+
+
+def test_runner_and_model_errors_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected module:factory"):
+        load_runner(None, None, "no_colon", "cpu")
+    with pytest.raises(ConfigError, match="cannot load it"):
+        load_runner(None, None, "tests.runners:missing", "cpu")
+    with pytest.raises(ConfigError, match="--task must be one of"):
+        load_runner("translate", "minilm", None, "cpu")
+    with pytest.raises(ConfigError, match="needs --model"):
+        load_runner("embed", None, None, "cpu")
+    with pytest.raises(ConfigError, match="--allow-download"):
+        load_runner("embed", "no-such-org/no-such-model", None, "cpu")
+    runner = load_runner(None, None, "tests.runners:echo", "cpu")
+    assert runner.run(runner.prepare(["a", 1]).data) == [{"echo": "a", "n": 2}, {"echo": 1, "n": 2}]

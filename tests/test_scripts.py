@@ -1,0 +1,171 @@
+"""Each Lua script against a real Redis, through RequestQueue."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
+from batchery.batching.messages import Request
+from batchery.batching.queue import RequestQueue
+
+
+def requests(*inputs: object, priority: str = "normal", **fields: object) -> list[Request]:
+    return [Request.validated(id=f"r{i}", input=v, priority=priority, **fields)
+            for i, v in enumerate(inputs)]
+
+
+def ok(queue: RequestQueue, claimed: list, output: object = "out") -> list[bool]:
+    return queue.complete([(r.id, r.token, Result(r.id, "ok", output).to_json()) for r in claimed],
+                          {"requests": len(claimed)})
+
+
+@pytest.fixture
+def queue(rconn: redis.Redis, queue_name: str) -> RequestQueue:
+    return RequestQueue(rconn, queue_name)
+
+
+def test_enqueue_is_idempotent_by_id_and_counts_depth(queue: RequestQueue) -> None:
+    assert queue.enqueue(requests("a", "b", priority="batch"), "c1") == [True, True]
+    assert queue.enqueue(requests("a", "b", "c"), "c1") == [False, False, True]
+    stats = queue.stats()
+    assert stats["pending"] == 3
+    assert stats["pending_by_priority"] == {"batch": 2, "normal": 1}
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    ok(queue, claimed)
+    # an id with a result is known too: enqueueing it again changes nothing
+    assert queue.enqueue(requests("a"), "c1") == [False]
+    assert queue.result("r0").output == "out"
+
+
+def test_enqueue_refuses_all_or_nothing(queue: RequestQueue) -> None:
+    queue.update_settings(max_pending=3, max_request_bytes=100)
+    with pytest.raises(RequestTooLarge, match="max_request_bytes of 100"):
+        queue.enqueue(requests("x", "y" * 200), "c")
+    assert queue.stats()["pending"] == 0
+    queue.enqueue(requests("x", "y"), "c")
+    with pytest.raises(QueueFull, match="max_pending of 3"):
+        queue.enqueue([Request.validated(id=f"n{i}", input=i) for i in range(2)], "c")
+    assert queue.stats()["pending"] == 2
+    with pytest.raises(InvalidRequest, match="unknown priority class 'urgent'"):
+        queue.enqueue([Request.validated(id="z", input="z", priority="urgent")], "c")
+
+
+def test_priority_classes_and_integer_delays_rank_as_documented(queue: RequestQueue) -> None:
+    queue.enqueue([Request.validated(id="slow", input=1, priority="batch"),
+                   Request.validated(id="mid", input=1, priority=5),
+                   Request.validated(id="fast", input=1, priority="realtime")], "c")
+    order = queue.client.zrange(queue.keys.pending, 0, -1, withscores=True)
+    assert [i for i, _ in order] == ["fast", "mid", "slow"]
+    ranks = dict(order)
+    assert ranks["mid"] - ranks["fast"] == 5000 and ranks["slow"] - ranks["fast"] == 60_000
+    assert queue.stats()["pending_by_priority"] == {"batch": 1, "normal": 1, "realtime": 1}
+
+
+def test_claim_leases_and_only_the_lease_holder_commits(queue: RequestQueue) -> None:
+    queue.enqueue(requests("a", "b"), "c")
+    claim = queue.claim("w1#1", 10, 10_000, 0, 10)
+    assert [r.id for r in claim.batch] == ["r0", "r1"] and claim.batch[0].attempt == 1
+    assert queue.stats()["inflight"] == 2
+    forged = [(r.id, "w2#9", Result(r.id, "ok", "forged").to_json()) for r in claim.batch]
+    assert queue.complete(forged, {}) == [False, False]
+    assert ok(queue, claim.batch) == [True, True]
+    assert queue.stats()["inflight"] == 0
+    assert queue.client.lrange(queue.keys.reply("c"), 0, -1)  # pushed to the client's list
+
+
+def test_a_late_result_after_takeover_is_discarded(queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1)
+    queue.enqueue(requests("a"), "c")
+    first = queue.claim("dead-worker#1", 10, 10_000, 0, 10).batch
+    time.sleep(1.1)
+    assert queue.reap() == (1, 0)
+    second = queue.claim("live-worker#1", 10, 10_000, 0, 10).batch
+    assert second[0].attempt == 2  # the lost lease counted as an attempt
+    assert ok(queue, first, "late") == [False]
+    assert ok(queue, second, "fresh") == [True]
+    assert queue.result("r0").output == "fresh"
+
+
+def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1)
+    queue.enqueue(requests("a", "b"), "c")
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    for _ in range(3):
+        time.sleep(0.4)
+        assert queue.renew("w", [(r.id, r.token) for r in claimed]) == []
+    assert queue.reap() == (0, 0)
+    assert queue.renew("w", [("r0", "someone-else")]) == ["r0"]
+
+
+def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=2)
+    queue.enqueue(requests("bad"), "c")
+    first = queue.claim("w#1", 10, 10_000, 0, 10).batch[0]
+    dead_json = Result("r0", "dead", error={"type": "E", "message": "boom"}, attempts=1).to_json()
+    assert queue.fail([(first.id, first.token, dead_json)]) == [1]
+    waiting = queue.claim("w#2", 10, 10_000, 0, 10)
+    assert not waiting.batch and 0 < waiting.wait_ms <= 500  # backoff before the retry
+    time.sleep(waiting.wait_ms / 1000 + 0.05)
+    second = queue.claim("w#3", 10, 10_000, 0, 10).batch[0]
+    assert second.attempt == 2
+    assert queue.fail([(second.id, second.token, dead_json)]) == [2]
+    assert queue.result("r0").status == "dead"
+    assert [r.id for r in queue.dead()] == ["r0"] and queue.stats()["dead"] == 1
+    assert queue.revive(["r0"]) == 1
+    assert queue.result("r0") is None and queue.stats()["pending"] == 1
+    again = queue.claim("w#4", 10, 10_000, 0, 10).batch[0]
+    assert again.attempt == 1
+    assert queue.fail([(again.id, again.token, dead_json)]) == [1]
+    time.sleep(0.6)
+    last = queue.claim("w#5", 10, 10_000, 0, 10).batch[0]
+    assert queue.fail([(last.id, last.token, dead_json)]) == [2]
+    assert queue.purge() == 1
+    assert queue.stats()["dead"] == 0 and not queue.client.hexists(queue.keys.requests, "r0")
+
+
+def test_deadlines_expire_queued_requests(queue: RequestQueue) -> None:
+    queue.enqueue(requests("a", deadline=0.05) + [Request.validated(id="keep", input="b")], "c")
+    time.sleep(0.1)
+    claim = queue.claim("w#1", 10, 10_000, 0, 10)
+    assert [r.id for r in claim.expired] == ["r0"]
+    assert [r.id for r in claim.batch] == ["keep"]
+
+
+def test_cancel_queued_and_running(queue: RequestQueue) -> None:
+    queue.enqueue(requests("a", "b", "c"), "c")
+    running = queue.claim("w#1", 1, 10_000, 0, 10).batch
+    assert queue.cancel(["r1", running[0].id, "unknown"]) == [1, 2, 0]
+    assert queue.result("r1").status == "cancelled"
+    assert ok(queue, running) == [False]  # its output is discarded
+    assert queue.result(running[0].id).status == "cancelled"
+    assert queue.stats()["pending"] == 1 and queue.stats()["pending_by_priority"] == {"normal": 1}
+
+
+def test_release_returns_claims_without_counting_an_attempt(queue: RequestQueue) -> None:
+    queue.enqueue(requests("a", "b"), "c")
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert queue.release([(r.id, r.token) for r in claimed]) == 2
+    again = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert [r.attempt for r in again] == [1, 1]
+
+
+def test_reaper_dead_letters_after_max_attempts(queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1, max_attempts=1)
+    queue.enqueue(requests("a"), "client-x")
+    queue.claim("w#1", 10, 10_000, 0, 10)
+    time.sleep(1.1)
+    assert queue.reap() == (0, 1)
+    result = queue.result("r0")
+    assert result.status == "dead" and result.error["type"] == "LeaseExpired"
+    pushed = queue.client.lrange(queue.keys.reply("client-x"), 0, -1)
+    assert Result.from_json(pushed[0]).status == "dead"
+
+
+def test_stored_garbage_becomes_an_error_not_a_crash(queue: RequestQueue) -> None:
+    queue.enqueue(requests("a", "b"), "c")
+    queue.client.hset(queue.keys.requests, "r0", b"\xff\xfe not json")
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert claimed[0].invalid and claimed[1].invalid is None and claimed[1].input == "b"

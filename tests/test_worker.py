@@ -1,0 +1,105 @@
+"""Worker features: warm-up, exact token recount and budget splits, producer token counts,
+--concurrency supervision."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from batchery import Client
+from batchery.connection import RedisSettings
+from batchery.workers.loop import Worker
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners.base import Prepared, Runner
+from batchery.workers.runners.hf import resolve_model
+from tests.conftest import run_cli, start_worker, stop_process, wait_for
+
+
+class Recording(Runner):
+    """Counts words as tokens and records what it is asked to do, in order."""
+
+    warmup_inputs = ["warm up"]
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def prepare(self, inputs: list[Any]) -> Prepared:
+        lengths = [len(str(v).split()) for v in inputs]
+        self.calls.append(("prepare", list(inputs)))
+        return Prepared(list(inputs), lengths, max(lengths) * len(lengths))
+
+    def run(self, data: Any) -> list[Any]:
+        self.calls.append(("run", list(data)))
+        return [len(str(v).split()) for v in data]
+
+
+def test_warm_up_runs_before_the_first_claim(redis_url: str, queue_name: str) -> None:
+    runner = Recording()
+    with Client(redis_url, queue_name) as client:
+        client.enqueue("real work")
+        Worker(RedisSettings.from_url(redis_url), runner,
+               WorkerOptions(queue=queue_name, max_wait_ms=0)).run(burst=True, handle_signals=False)
+    assert runner.calls[:2] == [("prepare", ["warm up"]), ("run", ["warm up"])]
+    assert ("run", ["real work"]) in runner.calls
+
+
+def test_an_underestimated_batch_is_split_to_fit_the_exact_token_budget(redis_url: str,
+                                                                        queue_name: str) -> None:
+    runner = Recording()
+    long_text = " ".join(["word"] * 30)
+    with Client(redis_url, queue_name) as client:
+        # the producer claims 1 token each; the runner counts 30 and 1 words
+        handles = client.enqueue_many([{"input": t, "tokens": 1} for t in
+                                       [long_text, long_text, "x", "y", "z", "w"]])
+        Worker(RedisSettings.from_url(redis_url), runner,
+               WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=60)
+               ).run(burst=True, handle_signals=False)
+        results = [h.result(timeout=5) for h in handles]
+    assert {r.status for r in results} == {"ok"}
+    runs = [data for kind, data in runner.calls[2:] if kind == "run"]
+    assert all(max(len(str(v).split()) for v in batch) * len(batch) <= 60 for batch in runs)
+    assert len(runs) == 2  # one claim of 6, run as [x y z w] and [long long]
+
+
+def test_producers_count_with_the_queue_tokenizer_when_announced(redis_url: str, queue_name: str) -> None:
+    text = "Return the absolute value of the argument."
+    with Client(redis_url, queue_name) as client:
+        estimated = client.enqueue(text, id="before")
+    with Client(redis_url, queue_name) as client:
+        client.queue.update_settings(tokenizer=resolve_model("minilm"), max_input_tokens=256)
+        client.enqueue(text, id="after")
+        client.enqueue(" ".join(["word"] * 600), id="long")
+        sched = client.queue.client.hmget(client.queue.keys.sched, ["before", "after", "long"])
+    counts = [int(s.split(":")[0]) for s in sched]
+    assert estimated.id == "before" and counts[0] == 2 + len(text) // 4
+    assert counts[1] == 10  # [CLS] + 8 word pieces + [SEP]
+    assert counts[2] == 256  # capped at what the workers truncate to
+
+
+def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue_name: str,
+                                                           tmp_path: Path) -> None:
+    run_cli("queue", "config", queue_name, "--lease-seconds", "1", redis_url=redis_url)
+    parent = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo", "--concurrency",
+                          "2", log=tmp_path / "pool.log")
+
+    def live_workers() -> int:
+        stats = json.loads(run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url).stdout)
+        return stats["queues"][queue_name]["workers"]
+    def children() -> set[int]:
+        path = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+        return {int(p) for p in path.read_text().split()}
+    try:
+        wait_for(lambda: live_workers() == 2, 60, interval=0.3, message="two worker processes")
+        done = run_cli("enqueue", "-q", queue_name, "--text", "a", "--text", "b", "--wait",
+                       redis_url=redis_url)
+        assert done.returncode == 0 and done.stdout.count('"ok"') == 2
+        first = children()
+        os.kill(min(first), signal.SIGKILL)  # a crashed child is replaced
+        wait_for(lambda: len(children()) == 2 and children() != first, 30, interval=0.2,
+                 message="the crashed process to be restarted")
+    finally:
+        assert stop_process(parent, signal.SIGTERM) == 0
+    wait_for(lambda: live_workers() == 0, 10, interval=0.3, message="no live workers")

@@ -1,0 +1,162 @@
+"""Claiming: the next batch is claimed and tokenized while the current one runs."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import redis
+
+from batchery.batching.messages import Claimed
+from batchery.batching.queue import ClaimReply, RequestQueue
+from batchery.workers import metrics
+from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
+from batchery.workers.leases import Leases
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners import Runner
+
+log = logging.getLogger(__name__)
+DONE = None  # put on the batch queue when a burst worker has drained its queue
+RETRY_CAP_S = 5.0
+
+
+class Claimer(threading.Thread):
+    """Fills ``batches`` with prepared batches, ``options.prefetch`` ahead of the model."""
+
+    def __init__(self, queue_: RequestQueue, runner: Runner, options: WorkerOptions,
+                 leases: Leases, cap: BatchCap, on_final: Callable[[Executed], None],
+                 stop: threading.Event, burst: bool = False) -> None:
+        super().__init__(name="batchery-claimer", daemon=True)
+        self.queue, self.runner, self.options = queue_, runner, options
+        self.leases, self.cap, self.on_final = leases, cap, on_final
+        self.stop, self.burst = stop, burst
+        # (batch, frees_slot): a claim split into several batches frees its slot once
+        self.batches: queue.Queue[tuple[Batch | None, bool]] = queue.Queue()
+        self.slots = threading.Semaphore(options.prefetch)  # one per claim not yet running
+        self._claims = 0
+
+    def take(self, timeout: float) -> Batch | None:
+        """The next batch for the model; raises queue.Empty after ``timeout``.
+
+        A batch claimed ahead goes back to the queue if something more urgent arrived
+        while it waited (a realtime request during a flood): the next claim starts with
+        that request instead of making it wait for one more batch.
+        """
+        while True:
+            batch, frees_slot = self.batches.get(timeout=timeout)
+            given_back = batch is not DONE and self._give_back_if_overtaken(batch)
+            if frees_slot:
+                self.slots.release()
+            if not given_back:
+                return batch
+
+    def _give_back_if_overtaken(self, batch: Batch) -> bool:
+        """Release ``batch`` to the queue if a more urgent request is pending; False: run it."""
+        try:
+            head = self.queue.client.zrange(self.queue.keys.pending, 0, 0, withscores=True)
+            if not head or head[0][1] >= min(r.rank for r in batch.requests):
+                return False
+            self.queue.release([(r.id, r.token) for r in batch.requests])
+        except redis.RedisError:
+            return False  # cannot tell, or cannot give it back: run it
+        self.leases.drop(r.id for r in batch.requests)
+        return True
+
+    def leftovers(self) -> list[Batch]:
+        """Batches claimed but not taken (at shutdown)."""
+        left: list[Batch] = []
+        while True:
+            try:
+                batch, _ = self.batches.get_nowait()
+            except queue.Empty:
+                return left
+            if batch is not DONE:
+                left.append(batch)
+
+    def run(self) -> None:
+        backoff = 0.1
+        while not self.stop.is_set():
+            if not self.slots.acquire(timeout=0.2):
+                continue
+            try:
+                batches = self.claim_once()
+                backoff = 0.1
+            except Exception as exc:  # Redis away, or a bug: keep serving, leases cover it
+                self.slots.release()
+                log.warning("claim failed (%s); retrying in %.1fs", exc, backoff,
+                            exc_info=not isinstance(exc, redis.RedisError))
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, RETRY_CAP_S)
+                continue
+            if batches is None:
+                self.batches.put((DONE, False))
+                return
+            if not batches:
+                self.slots.release()
+            for i, batch in enumerate(batches):
+                self.batches.put((batch, i == len(batches) - 1))
+
+    def claim_once(self) -> list[Batch] | None:
+        """Claim and prepare; [] when nothing is ready yet, None when a burst is over."""
+        o = self.options
+        self._claims += 1
+        token = f"{o.worker_id}#{self._claims}"
+        reply = self.queue.claim(token, self.cap.apply(o.max_batch_size), o.max_batch_tokens,
+                                 o.max_wait_ms, o.claim_lookahead)
+        self.leases.add(reply.expired + reply.batch)
+        invalid = [r for r in reply.batch if r.invalid]
+        if reply.expired or invalid:
+            self.on_final(Executed(reply.now_ms, [
+                *(Outcome(r, expired=True, error={"type": "DeadlineExceeded", "message":
+                          "the request's deadline passed before a worker could run it"})
+                  for r in reply.expired),
+                *(Outcome(r, error={"type": "InvalidRequest", "message": r.invalid or ""})
+                  for r in invalid)]))
+        batch = [r for r in reply.batch if not r.invalid]
+        if batch:
+            for r in batch:
+                metrics.queue_wait(r.priority).observe(max(0, reply.now_ms - r.enqueued_ms) / 1000)
+            return self.prepare(batch, reply.now_ms)
+        if reply.wait_ms == -1 and self.burst and not len(self.leases):
+            return None
+        self._idle(reply)
+        return []
+
+    def _idle(self, reply: ClaimReply) -> None:
+        """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""
+        o = self.options
+        wait_s = reply.wait_ms / 1000 if reply.wait_ms > 0 else o.idle_poll_s
+        if self.burst and reply.wait_ms == -1:
+            wait_s = 0.05  # a burst worker waits only for its own batches in flight
+        if reply.wait_ms > 0 and reply.wait_ms <= o.max_wait_ms:
+            self.stop.wait(wait_s)  # the head is being held: claim again when it is due
+        else:
+            self.queue.client.blpop([self.queue.keys.wake], timeout=max(0.01, min(wait_s, o.idle_poll_s)))
+
+    def prepare(self, requests: list[Claimed], claimed_ms: int) -> list[Batch]:
+        """Tokenize; if the exact count busts the token budget, split by length to fit."""
+        try:
+            prepared = self.runner.prepare([r.input for r in requests])
+        except Exception as exc:  # a bad input: the executor falls back to one at a time
+            return [Batch(requests, claimed_ms, error=exc)]
+        if prepared.padded <= self.options.max_batch_tokens or len(requests) == 1:
+            return [Batch(requests, claimed_ms, prepared)]
+        by_length = sorted(zip(prepared.lengths, range(len(requests))))
+        groups: list[list[Claimed]] = [[]]
+        widest = 0
+        for length, i in by_length:
+            group = groups[-1]
+            if group and max(widest, length) * (len(group) + 1) > self.options.max_batch_tokens:
+                groups.append([])
+                group, widest = groups[-1], 0
+            group.append(requests[i])
+            widest = max(widest, length)
+        return [self._prepared(group, claimed_ms) for group in groups]
+
+    def _prepared(self, requests: list[Claimed], claimed_ms: int) -> Batch:
+        try:
+            return Batch(requests, claimed_ms, self.runner.prepare([r.input for r in requests]))
+        except Exception as exc:
+            return Batch(requests, claimed_ms, error=exc)

@@ -1,0 +1,82 @@
+"""``batchery worker``: serve a queue with a model (several processes with --concurrency)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+
+import click
+
+from batchery.connection import RedisSettings
+from batchery.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@click.command("worker")
+@click.option("--task", type=click.Choice(["embed", "classify", "generate"]),
+              help="Built-in task over a Hugging Face model.")
+@click.option("--model", help="Model directory, a hub id in the local cache, or minilm.")
+@click.option("--runner", metavar="MODULE:FACTORY", help="Your own model: factory() returns "
+              "a callable over a list of inputs.")
+@click.option("--device", default="auto", show_default=True, envvar="BATCHERY_DEVICE",
+              help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
+@click.option("--max-batch-size", default=64, show_default=True, type=int)
+@click.option("--max-batch-tokens", default=8192, show_default=True, type=int,
+              help="Padded tokens per batch (longest x size).")
+@click.option("--max-wait-ms", default=10, show_default=True, type=int,
+              help="How long a partial batch waits for more requests.")
+@click.option("--lookahead", default=0, type=int,
+              help="Candidates a claim picks similar lengths from (default 1024, or 4 x max "
+              "batch size if more).")
+@click.option("--metrics-port", type=int, envvar="BATCHERY_METRICS_PORT",
+              help="Serve Prometheus metrics here (process i of --concurrency: port + i).")
+@click.option("--concurrency", default=1, show_default=True, type=int,
+              help="Worker processes, each with its own model.")
+@click.option("--threads", type=int, envvar="BATCHERY_TORCH_THREADS",
+              help="torch CPU threads per process (default: torch's choice).")
+@click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
+@click.option("--allow-download", is_flag=True, help="Let --model fetch from the hub.")
+def worker(task: str | None, model: str | None, runner: str | None, device: str,
+           max_batch_size: int, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
+           metrics_port: int | None, concurrency: int, threads: int | None, burst: bool,
+           allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
+    """Claim batches from QUEUE, run them through a model, write results back."""
+    settings = RedisSettings.from_url(redis_url, cluster=cluster)
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
+    if concurrency > 1:
+        from batchery.workers.supervisor import supervise
+        raise SystemExit(supervise(concurrency, metrics_port))
+    from batchery.workers.options import WorkerOptions
+    options = WorkerOptions(queue=queue, max_batch_size=max_batch_size,
+                            max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                            lookahead=lookahead)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
+    _set_threads(threads)
+    from batchery.workers.runners import load_runner
+    model_runner = load_runner(task, model, runner, device, allow_download)
+    from batchery.workers import metrics
+    metrics.serve(metrics_port or 0)
+    from batchery.workers.loop import Worker
+    log.info("redis %s, queue %r, %s", settings.describe(), queue, runner or f"{task} {model}")
+    # The model and its libraries live as long as the process: keep the garbage collector's
+    # full passes off their ~400k objects (with transformers loaded each took 200+ ms,
+    # stalling the batch that happened to trigger it).
+    gc.freeze()
+    raise SystemExit(Worker(settings, model_runner, options).run(burst=burst))
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+
+
+def register(group: click.Group) -> None:
+    from batchery.cli import queue_option, redis_options
+    group.add_command(queue_option(redis_options(worker)))
+
+

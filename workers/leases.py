@@ -1,0 +1,85 @@
+"""Leases a worker holds, the heartbeat that renews them, and the reaper it runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterable
+
+import redis
+
+from batchery.batching.messages import Claimed
+from batchery.batching.queue import RequestQueue
+from batchery.workers import metrics
+
+log = logging.getLogger(__name__)
+WORKER_FORGOTTEN_AFTER_LEASES = 100  # dead workers leave `stats` at once; the registry later
+
+
+class Leases:
+    """The requests this worker holds (claimed, not yet committed): id -> lease token."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, requests: Iterable[Claimed]) -> None:
+        with self._lock:
+            self._held.update((r.id, r.token) for r in requests)
+            metrics.INFLIGHT.set(len(self._held))
+
+    def drop(self, ids: Iterable[str]) -> None:
+        with self._lock:
+            for request_id in ids:
+                self._held.pop(request_id, None)
+            metrics.INFLIGHT.set(len(self._held))
+
+    def still_held(self, ids: Iterable[str]) -> list[str]:
+        with self._lock:
+            return [i for i in ids if i in self._held]
+
+    def snapshot(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._held.items())
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+class Heartbeat(threading.Thread):
+    """Every lease_seconds/3: renew held leases, mark the worker live, maybe reap.
+
+    Every live worker tries the reaper; a short lock lets one of them run it per beat.
+    """
+
+    def __init__(self, queue: RequestQueue, worker_id: str, leases: Leases,
+                 stop: threading.Event) -> None:
+        super().__init__(name="batchery-heartbeat", daemon=True)
+        self.queue, self.worker_id, self.leases, self.stop = queue, worker_id, leases, stop
+        self.interval_s = 1.0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except Exception as exc:  # never let the heartbeat die: leases would lapse
+                log.warning("heartbeat failed (%s); leases are renewed on the next beat", exc,
+                            exc_info=not isinstance(exc, redis.RedisError))
+
+    def beat(self) -> None:
+        settings = self.queue.settings()
+        self.interval_s = settings.lease_seconds / 3
+        lost = self.leases.still_held(self.queue.renew(self.worker_id, self.leases.snapshot()))
+        if lost:  # not those the writer committed while the renew was on its way
+            log.warning("lost the lease on %d request(s) (taken over or cancelled): %s",
+                        len(lost), ", ".join(lost[:5]))
+        lock_ms = max(1, int(self.interval_s * 1000 * 0.9))
+        if self.queue.client.set(self.queue.keys.reaper_lock, self.worker_id, nx=True, px=lock_ms):
+            self.queue.forget_workers(older_than_s=WORKER_FORGOTTEN_AFTER_LEASES * settings.lease_seconds)
+            requeued, dead = self.queue.reap()
+            if requeued or dead:
+                log.warning("reaper: %d expired lease(s) back in the queue, %d dead-lettered",
+                            requeued, dead)
+                metrics.DEAD_LETTERS.inc(dead)
+        for priority, n in self.queue.client.hgetall(self.queue.keys.depth).items():
+            metrics.QUEUE_DEPTH.labels(self.queue.name, priority).set(int(n))

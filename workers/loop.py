@@ -1,0 +1,127 @@
+"""The worker: the model loop, and the threads that feed it and write behind it.
+
+Threads: the claimer claims and tokenizes the next batch; the main thread runs the
+model; the writer commits results; the heartbeat renews leases and reaps. SIGTERM (or
+a first SIGINT) finishes the running batch, returns prefetched claims, and exits 0; a
+second one stops at once (leases cover what was in hand).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+from typing import Any
+
+import redis
+
+from batchery.batching.queue import RequestQueue
+from batchery.connection import RedisSettings, retryable
+from batchery.workers.claiming import DONE, Claimer
+from batchery.workers.execution import BatchCap, Executor
+from batchery.workers.leases import Heartbeat, Leases
+from batchery.workers.options import WorkerOptions
+from batchery.workers.results import ResultWriter
+from batchery.workers.runners import Runner
+
+log = logging.getLogger(__name__)
+EXIT_NOW = 130
+
+
+class Worker:
+    def __init__(self, redis_settings: RedisSettings, runner: Runner,
+                 options: WorkerOptions | None = None) -> None:
+        self.redis_settings = redis_settings
+        self.runner = runner
+        self.options = options or WorkerOptions()
+        self.id = self.options.worker_id
+        self.stop = threading.Event()
+        self.batches_run = 0
+
+    def run(self, burst: bool = False, handle_signals: bool = True) -> int:
+        """Serve the queue until stopped (or, with ``burst``, until it is drained)."""
+        client = self.redis_settings.client()
+        try:
+            queue_ = RequestQueue(client, self.options.queue)
+            self._announce(queue_)
+            self.runner.warmup()
+            restore = self._install_signals() if handle_signals else None
+            try:
+                self._serve(queue_, burst)
+            finally:
+                if restore:
+                    restore()
+        finally:
+            client.close()
+        return 0
+
+    def _serve(self, queue_: RequestQueue, burst: bool) -> None:
+        leases, cap = Leases(), BatchCap(self.options.oom_hold_s)
+        writer = ResultWriter(queue_, self.id, leases)
+        heartbeat = Heartbeat(queue_, self.id, leases, self.stop)
+        claimer = Claimer(queue_, self.runner, self.options, leases, cap, writer.submit,
+                          self.stop, burst)
+        executor = Executor(self.runner, cap)
+        _retrying(heartbeat.beat)  # registers the worker before its first claim
+        for thread in (writer, heartbeat, claimer):
+            thread.start()
+        log.info("worker %s serving queue %r", self.id, queue_.name)
+        while not self.stop.is_set():
+            try:
+                batch = claimer.take(timeout=0.2)
+            except queue.Empty:
+                continue
+            if batch is DONE:
+                break
+            writer.submit(executor.run(batch))
+            self.batches_run += 1
+        self.stop.set()
+        claimer.join()
+        leftovers = [r for b in claimer.leftovers() for r in b.requests]
+        if leftovers:
+            _retrying(lambda: queue_.release([(r.id, r.token) for r in leftovers]))
+            leases.drop(r.id for r in leftovers)
+            log.info("returned %d prefetched request(s) to the queue", len(leftovers))
+        writer.close()
+        heartbeat.join()
+        _retrying(lambda: queue_.leave(self.id))
+        log.info("worker %s stopped after %d batches", self.id, self.batches_run)
+
+    def _announce(self, queue_: RequestQueue) -> None:
+        """Register the queue and tell producers how this model counts tokens."""
+        def announce() -> None:
+            queue_.register()
+            if self.runner.tokenizer:
+                queue_.client.hset(queue_.keys.settings, mapping={
+                    "tokenizer": self.runner.tokenizer,
+                    "max_input_tokens": self.runner.max_input_tokens})
+        _retrying(announce)
+
+    def _install_signals(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if self.stop.is_set():
+                os.write(2, f"second {signal.Signals(signum).name}: stopping at once\n".encode())
+                os._exit(EXIT_NOW)
+            self.stop.set()
+            log.info("%s: finishing the current batch, then exiting", signal.Signals(signum).name)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+def _retrying(action: Any, attempts: int = 30) -> Any:
+    """Run a Redis action through a restart: the client's own retries, then ours."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except redis.RedisError as exc:
+            if attempt == attempts - 1 or not retryable(exc):
+                raise
+            log.warning("Redis unavailable (%s); retrying", exc)
+            threading.Event().wait(min(5.0, 0.2 * 2 ** attempt))
+    return None

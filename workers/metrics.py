@@ -1,0 +1,43 @@
+"""Prometheus metrics of a worker process, declared once with fixed buckets and few labels."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                   30, 60, 120, 300, 600)
+
+REQUESTS = Counter("batchery_requests_total", "Requests finished, by final status",
+                   ["queue", "priority", "status"])
+BATCH_SIZE = Histogram("batchery_batch_size", "Requests per batch run", buckets=SIZE_BUCKETS)
+BATCH_TOKENS = Histogram("batchery_batch_tokens", "Padded tokens per batch run",
+                         buckets=TOKEN_BUCKETS)
+PADDING = Histogram("batchery_padding_efficiency", "Real tokens / padded tokens per batch",
+                    buckets=RATIO_BUCKETS)
+QUEUE_WAIT = Histogram("batchery_queue_wait_seconds", "From enqueue to claim", ["priority"],
+                       buckets=SECONDS_BUCKETS)
+INFERENCE = Histogram("batchery_inference_seconds", "Model time per batch",
+                      buckets=SECONDS_BUCKETS)
+QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue", "priority"])
+INFLIGHT = Gauge("batchery_inflight", "Requests this worker holds leases on")
+RETRIES = Counter("batchery_retries_total", "Failed runs scheduled for another attempt")
+DEAD_LETTERS = Counter("batchery_dead_letters_total", "Requests dead-lettered")
+OOM_BACKOFFS = Counter("batchery_oom_backoffs_total", "Batches halved after out of memory")
+
+
+@lru_cache(maxsize=64)
+def queue_wait(priority: str) -> Any:
+    """QUEUE_WAIT of one priority class: labels() is slow to call once per request."""
+    return QUEUE_WAIT.labels(priority)
+
+
+def serve(port: int) -> None:
+    """Expose /metrics on ``port`` (0 or None: not at all)."""
+    if port:
+        start_http_server(port)

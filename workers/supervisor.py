@@ -1,0 +1,68 @@
+"""``--concurrency N``: N worker processes under one parent.
+
+Each child is the same command with ``--concurrency 1`` (and its own metrics port);
+a child that dies is restarted with backoff; SIGTERM/SIGINT are passed on to all.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+log = logging.getLogger(__name__)
+RESTART_BACKOFF_CAP_S = 30.0
+
+
+def child_argv(argv: list[str], metrics_port: int | None, index: int) -> list[str]:
+    """argv with --concurrency 1 and metrics on port + index."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--concurrency", "--metrics-port"):
+            skip = True
+            continue
+        if arg.startswith(("--concurrency=", "--metrics-port=")):
+            continue
+        out.append(arg)
+    out += ["--concurrency", "1"]
+    if metrics_port:
+        out += ["--metrics-port", str(metrics_port + index)]
+    return out
+
+
+def supervise(n: int, metrics_port: int | None) -> int:
+    """Run n children until they all exit; restart those that crash (non-zero exit)."""
+    base = [sys.executable, "-m", "batchery", *sys.argv[1:]]
+    children = {i: subprocess.Popen(child_argv(base, metrics_port, i)) for i in range(n)}
+    backoff = dict.fromkeys(children, 1.0)
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while any(c.poll() is None for c in children.values()) or not stopping:
+        for i, child in list(children.items()):
+            code = child.poll()
+            if code not in (None, 0) and not stopping:
+                log.warning("worker process %d exited with %s; restarting in %.0fs", i, code, backoff[i])
+                time.sleep(backoff[i])
+                backoff[i] = min(backoff[i] * 2, RESTART_BACKOFF_CAP_S)
+                children[i] = subprocess.Popen(child_argv(base, metrics_port, i))
+        if all(c.poll() == 0 for c in children.values()):
+            break  # every child finished its work (burst) or was stopped
+        time.sleep(0.2)
+    # a child stopped by the forwarded signal before it could install its handler is clean
+    stopped = (0, -signal.SIGTERM, -signal.SIGINT)
+    return max((abs(c.returncode) for c in children.values() if c.returncode not in stopped),
+               default=0)
