@@ -123,18 +123,30 @@ def test_one_blocking_reply_read_per_client(queue_name: str) -> None:
 def _count_blocking_reads(redis_url: str, queue_name: str, rconn) -> None:
     with Client(redis_url, queue_name) as client:
         handles = [client.enqueue(i) for i in range(100)]
-        waiters = [threading.Thread(target=h.result, kwargs={"timeout": 10}) for h in handles]
+        failures: list[BaseException] = []
+
+        def wait(handle) -> None:
+            try:
+                handle.result(timeout=10)
+            except BaseException as exc:  # reported by the assert below, not by a thread hook
+                failures.append(exc)
+        waiters = [threading.Thread(target=wait, args=(h,)) for h in handles]
         for w in waiters:
             w.start()
         reply_key = client.queue.keys.reply(client.client_id)
 
-        def blocked_on_replies() -> int:
-            return sum(1 for c in rconn.client_list() if c["cmd"] == "blpop")
-        time.sleep(1.2)
-        assert blocked_on_replies() == 1
+        def blocked_now() -> int:  # flag "b": waiting in a blocking command right now
+            return sum(1 for c in rconn.client_list() if "b" in c["flags"])
+        time.sleep(0.5)
+        samples = []
+        for _ in range(20):
+            samples.append(blocked_now())
+            time.sleep(0.05)
+        assert max(samples) == 1, samples
         with BackgroundWorker(redis_url, queue_name):
             for w in waiters:
                 w.join(15)
+        assert failures == []
         assert all(h.done() for h in handles)
         assert rconn.llen(reply_key) == 0
 
