@@ -3,6 +3,7 @@ running worker (the real MiniLM model) answers each accepted request and keeps s
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -70,8 +71,12 @@ def test_any_request_fields_are_refused_clearly_or_accepted(served: tuple, field
 def test_the_worker_answered_everything_and_keeps_serving(served: tuple) -> None:
     client, accepted, worker, log = served
     garbage = Request.validated(id="garbage-bytes", input="replaced below")
-    client.queue.enqueue([garbage], client.client_id)
-    client.queue.client.hset(client.queue.keys.requests, garbage.id, b"\xff\xfe{not json")
+    worker.send_signal(signal.SIGSTOP)  # so it cannot claim the request before it is replaced
+    try:
+        client.queue.enqueue([garbage], client.client_id)
+        client.queue.client.hset(client.queue.keys.requests, garbage.id, b"\xff\xfe{not json")
+    finally:
+        worker.send_signal(signal.SIGCONT)
     handles = [*accepted, client.handle(garbage.id)]
     results = [h.result(timeout=120) for h in handles]
     assert len(results) > 100

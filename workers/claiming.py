@@ -103,6 +103,9 @@ class Claimer(threading.Thread):
         o = self.options
         self._claims += 1
         token = f"{o.worker_id}#{self._claims}"
+        # read before the claim: the writer drops a lease only after its retry is scheduled,
+        # so none held then and nothing pending nor delayed now means the burst is over
+        held_before = len(self.leases)
         reply = self.queue.claim(token, self.cap.apply(o.max_batch_size), o.max_batch_tokens,
                                  o.max_wait_ms, o.claim_lookahead)
         self.leases.add(reply.expired + reply.batch)
@@ -119,7 +122,7 @@ class Claimer(threading.Thread):
             for r in batch:
                 metrics.queue_wait(r.priority).observe(max(0, reply.now_ms - r.enqueued_ms) / 1000)
             return self.prepare(batch, reply.now_ms)
-        if reply.wait_ms == -1 and self.burst and not len(self.leases):
+        if reply.wait_ms == -1 and self.burst and not held_before:
             return None
         self._idle(reply)
         return []
