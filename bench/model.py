@@ -6,9 +6,10 @@
     own best batch size from a sweep on a subset)
 (c) RQ, one job per request: SimpleWorker processes with the model loaded once each
 (d) batchery: real ``batchery worker`` processes and the real ``Client.map`` (all requests
-    queued at once, claims looking at all of them: --lookahead 4096); one worker with 2
-    torch threads, and two workers with 1 thread each (2 cores either way); timed after
-    one untimed pass, as (a) is timed after its sweep
+    queued at once, claims looking at all of them: --lookahead 4096); one worker running
+    one batch per core (--parallel-batches, 1 torch thread each), one worker running one
+    batch at a time on every core, and one worker process per core; timed after one
+    untimed pass, as (a) is timed after its sweep
 
 ``python -m bench.model [--quick] [-n N] [--repeat R]``: a table with each row's ratio to
 (a), bench/out/model.json and bench/out/model.png.
@@ -150,13 +151,18 @@ def rq_jobs(url: str, texts: list[str], workers: int) -> dict[str, Any]:
 
 
 # -- (d) -------------------------------------------------------------------------------
-def batchery_workers(url: str, texts: list[str], workers: int, size: int) -> dict[str, Any]:
-    queue = f"embed-{workers}w-{time.monotonic_ns()}"
-    threads = max(1, THREADS // workers)
+# (d) configurations on 2 cores: key -> (worker processes, parallel batches, torch threads)
+D_CONFIGS = {"d1": (1, common.CORES, 1), "d1t": (1, 1, common.CORES), "d2": (common.CORES, 1, 1)}
+
+
+def batchery_workers(url: str, texts: list[str], config: tuple[int, int, int], size: int
+                     ) -> dict[str, Any]:
+    workers, parallel, threads = config
+    queue = f"embed-{workers}w{parallel}p-{time.monotonic_ns()}"
     procs = [common.batchery_worker(url, queue, "--task", "embed", "--model", "minilm",
                                     "--device", "cpu", "--max-batch-size", str(size),
                                     "--max-wait-ms", str(MAX_WAIT_MS), "--lookahead", str(LOOKAHEAD),
-                                    threads=threads)
+                                    "--parallel-batches", str(parallel), threads=threads)
              for _ in range(workers)]
     try:
         with Client(url, queue) as client:
@@ -171,8 +177,9 @@ def batchery_workers(url: str, texts: list[str], workers: int, size: int) -> dic
                 assert all(r.ok for r in results), "a request failed"
                 t = client.queue.stats()["totals"]
                 return len(texts), t["batches"], t["tokens"], t["padded_tokens"]
-            label = (f"(d) batchery, {workers} worker{'s' if workers > 1 else ''} x "
-                     f"{threads} thread{'s' if threads > 1 else ''}")
+            label = (f"(d) batchery, {workers} worker{'s' if workers > 1 else ''}"
+                     + (f", {parallel} parallel batches" if parallel > 1 else "")
+                     + f" x {threads} thread{'s' if threads > 1 else ''}")
             return measure(label, run)
     finally:
         common.stop(procs)
@@ -234,9 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        lambda: fifo_batcher(runner, texts, fifo_size)), size=fifo_size))
             common.log("(c) RQ ...")
             add("c", dict(rq_jobs(url, texts, RQ_WORKERS), size=1))
-            for workers in (1, 2):
-                common.log(f"(d) batchery, {workers} worker(s) ...")
-                add(f"d{workers}", dict(batchery_workers(url, texts, workers, size), size=size))
+            for key, config in D_CONFIGS.items():
+                common.log(f"(d) batchery, {config[0]} worker(s) x {config[1]} parallel batches ...")
+                add(key, dict(batchery_workers(url, texts, config, size), size=size))
     final = {key: best(found) for key, found in rows.items()}
     limit = final["a"]["rps"]
     for row in final.values():
@@ -271,7 +278,8 @@ def check(name: str, value: float, target: float) -> str:
 
 SHORT = {"a": "(a) in-process\nsorted, batch {size}", "b": "(b) asyncio FIFO\nbatch {size}",
          "b*": "(b) asyncio FIFO\nbatch {size} (its best)", "c": "(c) RQ\njob per request",
-         "d1": "(d) batchery\n1 worker", "d2": "(d) batchery\n2 workers"}
+         "d1": "(d) batchery\n1 worker", "d1t": "(d) batchery\n1 worker, 1 batch\nat a time",
+         "d2": "(d) batchery\n2 workers"}
 
 
 def plot(rows: dict[str, dict[str, Any]], n: int) -> None:

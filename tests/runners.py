@@ -47,3 +47,19 @@ def oom_over_4() -> Any:
             raise MemoryError(f"cannot allocate a batch of {len(inputs)}")
         return [len(inputs) for _ in inputs]
     return run
+
+
+def timed() -> Any:
+    """Sleeps BATCHERY_TEST_SLEEP seconds per batch; reports when, on which thread, and with
+    how many torch threads each batch ran."""
+    import threading
+    import torch
+    delay = float(os.environ.get("BATCHERY_TEST_SLEEP", "0.3"))
+
+    def run(inputs: list[Any]) -> list[Any]:
+        started = time.time()
+        time.sleep(delay)
+        ran = {"start": started, "end": time.time(), "thread": threading.current_thread().name,
+               "torch_threads": torch.get_num_threads()}
+        return [dict(ran, input=v) for v in inputs]
+    return run

@@ -103,3 +103,42 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
     finally:
         assert stop_process(parent, signal.SIGTERM) == 0
     wait_for(lambda: live_workers() == 0, 10, interval=0.3, message="no live workers")
+
+
+def test_parallel_batches_share_one_model_and_stop_cleanly(redis_url: str, queue_name: str,
+                                                           tmp_path: Path) -> None:
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:timed",
+                          "--parallel-batches", "2", "--max-batch-size", "2", "--max-wait-ms", "0",
+                          log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.4")
+    try:
+        with Client(redis_url, queue_name) as client:
+            wait_for(lambda: client.queue.stats()["workers"] == 1, 60, message="the worker")
+            results = client.map([f"text {i}" for i in range(12)], timeout=60)
+            assert [r.output["input"] for r in results] == [f"text {i}" for i in range(12)]
+            runs = sorted({(r.output["start"], r.output["end"], r.output["thread"]) for r in results})
+            assert len(runs) == 6 and len({thread for _, _, thread in runs}) == 2
+            at_once = [sum(1 for s, e, _ in runs if s <= start < e) for start, _, _ in runs]
+            assert max(at_once) == 2  # two batches at a time, never more
+            assert {r.output["torch_threads"] for r in results} == {max(1, len(os.sched_getaffinity(0)) // 2)}
+            # SIGTERM while both run: both batches commit, the prefetched one goes back
+            handles = client.enqueue_many([{"input": f"last {i}"} for i in range(6)])
+            wait_for(lambda: client.queue.stats()["inflight"] >= 4, 10, interval=0.02,
+                     message="two batches running")
+            assert stop_process(worker, signal.SIGTERM) == 0
+            finished = [h for h in handles if h.done() or client.queue.result(h.id)]
+            assert len(finished) == 4
+            assert client.queue.stats()["pending"] == 2
+    finally:
+        stop_process(worker)
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_a_burst_worker_with_parallel_batches_drains_and_exits(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        handles = client.enqueue_many([{"input": f"t{i}"} for i in range(30)])
+        worker = Worker(RedisSettings.from_url(redis_url), Recording(),
+                        WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0,
+                                      parallel_batches=3))
+        assert worker.run(burst=True, handle_signals=False) == 0
+        assert [h.result(timeout=5).output for h in handles] == [1] * 30
+        assert worker.batches_run == 15

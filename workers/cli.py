@@ -35,13 +35,18 @@ log = logging.getLogger(__name__)
               help="Serve Prometheus metrics here (process i of --concurrency: port + i).")
 @click.option("--concurrency", default=1, show_default=True, type=int,
               help="Worker processes, each with its own model.")
+@click.option("--parallel-batches", default=1, show_default=True, type=int,
+              help="Batches run at once in each process, one thread each, sharing one copy "
+              "of the model. On a CPU: one per core.")
 @click.option("--threads", type=int, envvar="BATCHERY_TORCH_THREADS",
-              help="torch CPU threads per process (default: torch's choice).")
+              help="torch CPU threads per batch (default: torch's choice; with "
+              "--parallel-batches N, cores / N).")
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
 @click.option("--allow-download", is_flag=True, help="Let --model fetch from the hub.")
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
            max_batch_size: int, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
-           metrics_port: int | None, concurrency: int, threads: int | None, burst: bool,
+           metrics_port: int | None, concurrency: int, parallel_batches: int,
+           threads: int | None, burst: bool,
            allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Claim batches from QUEUE, run them through a model, write results back."""
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
@@ -53,8 +58,10 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     from batchery.workers.options import WorkerOptions
     options = WorkerOptions(queue=queue, max_batch_size=max_batch_size,
                             max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                            lookahead=lookahead)
+                            lookahead=lookahead, parallel_batches=parallel_batches)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
+    if threads is None and parallel_batches > 1:  # N teams of cores/N threads, not N of cores
+        threads = max(1, _cores() // parallel_batches)
     _set_threads(threads)
     from batchery.workers.runners import load_runner
     model_runner = load_runner(task, model, runner, device, allow_download)
@@ -69,7 +76,12 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     raise SystemExit(Worker(settings, model_runner, options).run(burst=burst))
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _set_threads(threads: int | None) -> None:
+    """torch's intra-op threads; each thread that runs a batch gets a team this size."""
     if threads:
         import torch
         torch.set_num_threads(threads)

@@ -39,6 +39,7 @@ class Worker:
         self.id = self.options.worker_id
         self.stop = threading.Event()
         self.batches_run = 0
+        self._count_lock = threading.Lock()
 
     def run(self, burst: bool = False, handle_signals: bool = True) -> int:
         """Serve the queue until stopped (or, with ``burst``, until it is drained)."""
@@ -68,16 +69,15 @@ class Worker:
         for thread in (writer, heartbeat, claimer):
             thread.start()
         log.info("worker %s serving queue %r", self.id, queue_.name)
-        while not self.stop.is_set():
-            try:
-                batch = claimer.take(timeout=0.2)
-            except queue.Empty:
-                continue
-            if batch is DONE:
-                break
-            writer.submit(executor.run(batch))
-            self.batches_run += 1
+        extra = [threading.Thread(target=self._run_batches, args=(claimer, executor, writer),
+                                  name=f"batchery-model-{i}", daemon=True)
+                 for i in range(1, self.options.parallel_batches)]
+        for thread in extra:
+            thread.start()
+        self._run_batches(claimer, executor, writer)
         self.stop.set()
+        for thread in extra:
+            thread.join()
         claimer.join()
         leftovers = [r for b in claimer.leftovers() for r in b.requests]
         if leftovers:
@@ -88,6 +88,24 @@ class Worker:
         heartbeat.join()
         _retrying(lambda: queue_.leave(self.id))
         log.info("worker %s stopped after %d batches", self.id, self.batches_run)
+
+    def _run_batches(self, claimer: Claimer, executor: Executor, writer: ResultWriter) -> None:
+        """Take prepared batches and run them until stopped (one such loop per parallel batch)."""
+        try:
+            while not self.stop.is_set():
+                try:
+                    batch = claimer.take(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if batch is DONE:
+                    claimer.batches.put((DONE, False))  # the other loops stop too
+                    return
+                writer.submit(executor.run(batch))
+                with self._count_lock:
+                    self.batches_run += 1
+        except BaseException:
+            self.stop.set()  # a bug, not a failed batch (the executor catches those): stop all
+            raise
 
     def _announce(self, queue_: RequestQueue) -> None:
         """Register the queue and tell producers how this model counts tokens."""

@@ -33,6 +33,10 @@ class WorkerOptions:
     lookahead: int = 0
     # Batches claimed and tokenized ahead while the model runs: 1 keeps the model busy.
     prefetch: int = 1
+    # Batches run at once, each on its own thread through the one loaded model (shared
+    # weights). On a CPU, one per core with one torch thread each beats one batch using
+    # every core: no thread of a batch waits for a descheduled sibling (bench/model.py).
+    parallel_batches: int = 1
     # After out of memory, the batch size stays halved this long.
     oom_hold_s: float = 60.0
     # An idle worker wakes at least this often, also when no enqueue signals it.
@@ -46,6 +50,8 @@ class WorkerOptions:
             raise ConfigError(f"--max-batch-tokens must be positive, got {self.max_batch_tokens}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"--max-wait-ms must be 0 or more, got {self.max_wait_ms}")
+        if not 1 <= self.parallel_batches <= 64:
+            raise ConfigError(f"--parallel-batches must be 1..64, got {self.parallel_batches}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be at least 1, got {self.prefetch}")
 
