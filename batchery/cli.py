@@ -122,13 +122,16 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
 @click.option("--lease-seconds", type=float, help="Claims not renewed this long are taken back.")
 @click.option("--result-ttl", type=int, help="Seconds results stay readable.")
 @click.option("--max-request-bytes", type=int, help="Larger requests are refused at enqueue.")
+@click.option("--fill-from-slower/--no-fill-from-slower", default=None, help="Fill a batch led "
+              "by a faster class with slower-class requests (throughput; the default), or run it "
+              "with its own class only (its latency).")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
 @redis_options
 def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,
                  cluster: bool, **changes: Any) -> None:
     """Show QUEUE's settings, changing those given first."""
     rq = RequestQueue(connect(redis_url, cluster), queue)
-    changes = {k: v for k, v in changes.items() if v is not None}
+    changes = {k: int(v) if isinstance(v, bool) else v for k, v in changes.items() if v is not None}
     settings = rq.settings()
     if changes or class_delay:
         settings = rq.update_settings(class_delays={**settings.class_delays, **class_delay},

@@ -47,6 +47,9 @@ class QueueSettings:
     tokenizer: str = ""
     # Length the workers' model truncates inputs to (0: none); counts are capped by it.
     max_input_tokens: int = 0
+    # 1: room left in a batch led by a faster class is filled with slower-class requests
+    # (throughput). 0: it runs with its own class and faster ones only (its latency).
+    fill_from_slower: int = 1
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
@@ -83,6 +86,8 @@ class QueueSettings:
             raise ConfigError(f"result_ttl must be at least 1 second, got {self.result_ttl}")
         if self.max_request_bytes < 64:
             raise ConfigError(f"max_request_bytes must be at least 64, got {self.max_request_bytes}")
+        if self.fill_from_slower not in (0, 1):
+            raise ConfigError(f"fill_from_slower must be 0 or 1, got {self.fill_from_slower}")
         for name, delay in self.class_delays.items():
             if not CLASS_NAME.match(name):
                 raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or '_'")

@@ -49,15 +49,16 @@ def padded_tokens(token_counts: list[int]) -> int:
 
 
 def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
-                 max_batch_tokens: int, max_wait_ms: int) -> Selection:
+                 max_batch_tokens: int, max_wait_ms: int, fill_from_slower: bool = True
+                 ) -> Selection:
     """Choose the next batch from the lookahead ``candidates`` (in rank order).
 
     The head (most urgent live candidate) is always in the batch, even alone over the
     token budget. Then the candidates of a class as urgent as the head's (class delay no
-    larger) join, then the others, each group in order of how close their length is to
-    the head's (ties: rank), while the batch stays within ``max_batch_size`` requests and
-    ``max_batch_tokens`` padded tokens. A batch is full when it reached the size or a
-    candidate did not fit; a batch that is not full is held until its head has waited
+    larger) join, then (unless ``fill_from_slower`` is off) the others, each group in order
+    of how close their length is to the head's (ties: rank), while the batch stays within ``max_batch_size`` requests and
+    ``max_batch_tokens`` padded tokens. A batch is full when it reached the size, a
+    candidate did not fit, or slower candidates were left out; a batch that is not full is held until its head has waited
     ``max_wait_ms``.
     """
     expired = [c.id for c in candidates if 0 < c.expire_ms <= now_ms]
@@ -65,11 +66,16 @@ def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
     if not live:
         return Selection(expired=expired)
     head = live[0]
-    chosen, longest, rejected = [0], head.tokens, False
+    chosen, longest = [0], head.tokens
     # Less urgent classes only fill what room is left: otherwise a realtime head could take
     # batch-class requests of a fitting length while the other realtime ones wait, one
     # per batch.
-    by_closeness = sorted(range(1, len(live)), key=lambda i: (
+    joining = [i for i in range(1, len(live))
+               if fill_from_slower or live[i].delay_ms <= head.delay_ms]
+    # room left empty on purpose counts as full: slower work is waiting, so holding the
+    # head for company would only idle the model
+    rejected = len(joining) < len(live) - 1
+    by_closeness = sorted(joining, key=lambda i: (
         live[i].delay_ms > head.delay_ms, abs(live[i].tokens - head.tokens), i))
     for i in by_closeness:
         if len(chosen) >= max_batch_size:

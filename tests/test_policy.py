@@ -87,8 +87,19 @@ def test_a_more_urgent_class_joins_before_better_fitting_less_urgent_ones() -> N
     flood = [Candidate(f"b{i}", 50, NOW - 59_000, rank=NOW + 1000 + i) for i in range(10)]
     chosen = select_batch(realtime + flood, NOW, 4, 10_000, 0).batch
     assert chosen == ["rt0", "rt1", "rt2", "rt3"]
-    # with room left, the less urgent fill it by length
+    # with room left, the less urgent fill it by length; unless the queue says not to
     assert select_batch(realtime[:2] + flood, NOW, 4, 10_000, 0).batch == ["rt0", "rt1", "b0", "b1"]
+    alone = select_batch(realtime[:2] + flood, NOW, 4, 10_000, 0, fill_from_slower=False)
+    assert alone.batch == ["rt0", "rt1"]
+    # left out on purpose, the room counts as full: with slower work waiting, holding the
+    # head for company would only idle the model
+    assert select_batch(realtime[:2] + flood, NOW, 4, 10_000, 10, fill_from_slower=False).batch == \
+        ["rt0", "rt1"]
+    assert select_batch(realtime[:2], NOW, 4, 10_000, 10, fill_from_slower=False).wait_ms == 10
+    # an aged batch-class head still takes faster requests: they are in its first tier
+    aged = Candidate("old", 50, NOW - 70_000, rank=NOW - 10_000)
+    assert select_batch([aged, *realtime], NOW, 3, 10_000, 0, fill_from_slower=False).batch == \
+        ["old", "rt0", "rt1"]
 
 
 def test_aging_rank_lets_an_old_batch_request_beat_new_realtime_ones() -> None:
@@ -96,15 +107,17 @@ def test_aging_rank_lets_an_old_batch_request_beat_new_realtime_ones() -> None:
     assert rank(59_999, 0) < old_batch < rank(60_001, 0)
 
 
-@given(lookaheads())
+@given(lookaheads(), st.booleans())
 @settings(max_examples=60, deadline=None)
-def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: tuple) -> None:
+def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: tuple,
+                                               fill_from_slower: bool) -> None:
     candidates, max_size, max_tokens, max_wait = case
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(client, "policy-agreement")
     k: Keys = queue.keys
     client.delete(*[getattr(k, name) for name in ("pending", "sched", "requests", "leased",
                                                     "owner", "delayed", "depth", "attempts")])
+    client.hset(k.settings, "fill_from_slower", int(fill_from_slower))
     server_now = int(client.time()[0]) * 1000
     shift = server_now - NOW  # the same offsets from "now", on the server's clock
     for c in candidates:
@@ -116,7 +129,7 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
     shifted = [Candidate(c.id, c.tokens, c.enqueued_ms + shift,
                          c.expire_ms + shift if c.expire_ms else 0, c.rank + shift)
                for c in candidates]
-    expected = select_batch(shifted, reply.now_ms, max_size, max_tokens, max_wait)
+    expected = select_batch(shifted, reply.now_ms, max_size, max_tokens, max_wait, fill_from_slower)
     assert [r.id for r in reply.expired] == expected.expired
     assert [r.id for r in reply.batch] == expected.batch
     if candidates and not expected.batch and not expected.expired:

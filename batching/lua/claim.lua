@@ -76,14 +76,19 @@ local wait = 0
 if #live > 0 then
   local head = lengths[1]
   local chosen, longest, rejected = {1}, head, false
-  -- classes as urgent as the head's first (class delay no larger), then the rest, each
-  -- by closest length to the head, ties by rank. One number per candidate, so the sort
+  -- classes as urgent as the head's first (class delay no larger), then the rest (unless
+  -- the queue's fill_from_slower is 0), each by closest length to the head, ties by rank. One number per candidate, so the sort
   -- compares numbers in C instead of calling a Lua function.
   local order, stride = {}, #live + 1
   local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
+  local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
   for j = 2, #live do
-    local tier = delays[j] > delays[1] and later or 0
-    order[#order + 1] = tier + math.abs(lengths[j] - head) * stride + j
+    local slower = delays[j] > delays[1]
+    if fill_from_slower or not slower then
+      order[#order + 1] = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+    else
+      rejected = true  -- room left empty on purpose: run now, do not hold the head
+    end
   end
   table.sort(order)
   for _, key in ipairs(order) do
