@@ -131,7 +131,7 @@ def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis
                  cluster: bool, **changes: Any) -> None:
     """Show QUEUE's settings, changing those given first."""
     rq = RequestQueue(connect(redis_url, cluster), queue)
-    changes = {k: int(v) if isinstance(v, bool) else v for k, v in changes.items() if v is not None}
+    changes = {k: v for k, v in changes.items() if v is not None}
     settings = rq.settings()
     if changes or class_delay:
         settings = rq.update_settings(class_delays={**settings.class_delays, **class_delay},

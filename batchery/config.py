@@ -47,13 +47,14 @@ class QueueSettings:
     tokenizer: str = ""
     # Length the workers' model truncates inputs to (0: none); counts are capped by it.
     max_input_tokens: int = 0
-    # 1: room left in a batch led by a faster class is filled with slower-class requests
-    # (throughput). 0: it runs with its own class and faster ones only (its latency).
-    fill_from_slower: int = 1
+    # Room left in a batch led by a faster class is filled with slower-class requests
+    # (throughput); off, it runs with its own class and faster ones only (its latency).
+    fill_from_slower: bool = True
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
-        flat = {k: str(v) for k, v in asdict(self).items() if k != "class_delays"}
+        flat = {k: str(int(v) if isinstance(v, bool) else v)  # Lua reads booleans as 1 / 0
+                for k, v in asdict(self).items() if k != "class_delays"}
         flat.update({f"delay:{c}": str(s) for c, s in self.class_delays.items()})
         return flat
 
@@ -86,8 +87,6 @@ class QueueSettings:
             raise ConfigError(f"result_ttl must be at least 1 second, got {self.result_ttl}")
         if self.max_request_bytes < 64:
             raise ConfigError(f"max_request_bytes must be at least 64, got {self.max_request_bytes}")
-        if self.fill_from_slower not in (0, 1):
-            raise ConfigError(f"fill_from_slower must be 0 or 1, got {self.fill_from_slower}")
         for name, delay in self.class_delays.items():
             if not CLASS_NAME.match(name):
                 raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or '_'")
@@ -95,7 +94,8 @@ class QueueSettings:
                 raise ConfigError(f"class delay for {name!r} must be 0..604800 seconds, got {delay}")
 
 
-_FIELD_TYPES = {f.name: {"int": int, "float": float, "str": str}[str(f.type)]
+_PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}
+_FIELD_TYPES = {f.name: _PARSERS[str(f.type)]
                 for f in fields(QueueSettings) if f.name != "class_delays"}
 
 

@@ -55,11 +55,11 @@ def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
 
     The head (most urgent live candidate) is always in the batch, even alone over the
     token budget. Then the candidates of a class as urgent as the head's (class delay no
-    larger) join, then (unless ``fill_from_slower`` is off) the others, each group in order
-    of how close their length is to the head's (ties: rank), while the batch stays within ``max_batch_size`` requests and
-    ``max_batch_tokens`` padded tokens. A batch is full when it reached the size, a
-    candidate did not fit, or slower candidates were left out; a batch that is not full is held until its head has waited
-    ``max_wait_ms``.
+    larger) join, then (unless ``fill_from_slower`` is off) the others, each group in
+    order of how close their length is to the head's (ties: rank), while the batch stays
+    within ``max_batch_size`` requests and ``max_batch_tokens`` padded tokens. A batch is
+    full when it reached the size, a candidate did not fit, or slower candidates were
+    left out; a batch that is not full is held until its head has waited ``max_wait_ms``.
     """
     expired = [c.id for c in candidates if 0 < c.expire_ms <= now_ms]
     live = [c for c in candidates if not 0 < c.expire_ms <= now_ms]

@@ -41,14 +41,13 @@ STRICT_DELAY_S = 7 * 86_400   # a delay no overload outlasts: strict priority
 def flood(url: str, n_flood: int, seconds: float, tokens: int, fill: bool = True) -> dict[str, Any]:
     """``fill``: the queue's fill_from_slower (a realtime batch takes flood requests too)."""
     queue = f"flood-{time.monotonic_ns()}"
-    with Client(url, queue) as setup:
-        setup.queue.update_settings(fill_from_slower=int(fill))
     worker = common.batchery_worker(url, queue, *FLOOD_WORKER, "--max-batch-tokens", str(tokens),
                                     threads=common.CORES)
     texts = paragraphs(n_flood + 2000)
     try:
         with Client(url, queue) as bulk, Client(url, queue) as live:
             common.wait_until(lambda: bulk.queue.stats()["workers"] >= 1, 180, "the worker")
+            bulk.queue.update_settings(fill_from_slower=fill)  # read by every claim
             for client in (bulk, live):
                 client.counter("load the tokenizer the worker announced")
             common.freeze()

@@ -42,11 +42,15 @@ class Claimer(threading.Thread):
 
         A batch claimed ahead goes back to the queue if something more urgent arrived
         while it waited (a realtime request during a flood): the next claim starts with
-        that request instead of making it wait for one more batch.
+        that request instead of making it wait for one more batch. Once a burst is drained,
+        every caller gets DONE.
         """
         while True:
             batch, frees_slot = self.batches.get(timeout=timeout)
-            given_back = batch is not DONE and self._give_back_if_overtaken(batch)
+            if batch is DONE:
+                self.batches.put((DONE, False))  # every model thread that asks sees it
+                return DONE
+            given_back = self._give_back_if_overtaken(batch)
             if frees_slot:
                 self.slots.release()
             if not given_back:

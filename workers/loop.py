@@ -98,7 +98,6 @@ class Worker:
                 except queue.Empty:
                     continue
                 if batch is DONE:
-                    claimer.batches.put((DONE, False))  # the other loops stop too
                     return
                 writer.submit(executor.run(batch))
                 with self._count_lock:

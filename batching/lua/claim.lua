@@ -77,8 +77,8 @@ if #live > 0 then
   local head = lengths[1]
   local chosen, longest, rejected = {1}, head, false
   -- classes as urgent as the head's first (class delay no larger), then the rest (unless
-  -- the queue's fill_from_slower is 0), each by closest length to the head, ties by rank. One number per candidate, so the sort
-  -- compares numbers in C instead of calling a Lua function.
+  -- the queue's fill_from_slower is 0), each by closest length to the head, ties by
+  -- rank. One number per candidate, so the sort compares numbers in C, not Lua calls.
   local order, stride = {}, #live + 1
   local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
   local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
