@@ -20,6 +20,7 @@ from batchery.batching.queue import RequestQueue
 from batchery.config import DEFAULT_QUEUE, ENV_QUEUE, ENV_REDIS_URL, EMBEDDED
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError, ConfigError
+from batchery.params import FINITE
 
 EXIT_REDIS = 1
 
@@ -105,8 +106,8 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
     for value in values:
         name, sep, seconds = value.partition("=")
         try:
-            delays[name.strip()] = float(seconds)
-        except ValueError:
+            delays[name.strip()] = FINITE.convert(seconds, None, None)
+        except click.BadParameter:
             sep = ""
         if not sep:
             raise click.BadParameter(f"{value!r}: expected CLASS=SECONDS, e.g. batch=120")
@@ -119,12 +120,17 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
 @click.option("--class-delay", multiple=True, callback=_class_delays, metavar="CLASS=SECONDS",
               help="Seconds added to a class's enqueue time (repeatable).")
 @click.option("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
-@click.option("--lease-seconds", type=float, help="Claims not renewed this long are taken back.")
+@click.option("--lease-seconds", type=FINITE, help="Claims not renewed this long are taken back.")
 @click.option("--result-ttl", type=int, help="Seconds results stay readable.")
 @click.option("--max-request-bytes", type=int, help="Larger requests are refused at enqueue.")
 @click.option("--fill-from-slower/--no-fill-from-slower", default=None, help="Fill a batch led "
               "by a faster class with slower-class requests (throughput; the default), or run it "
               "with its own class only (its latency).")
+@click.option("--memory-high-water", type=FINITE, metavar="FRACTION", help="Refuse enqueues "
+              "once Redis uses this fraction of its maxmemory (0: off).")
+@click.option("--delete-delivered/--keep-delivered", default=None, help="Delete a result once "
+              "it reached the client waiting for it or a job's output file (the default), or "
+              "keep it for result_ttl.")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
 @redis_options
 def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,

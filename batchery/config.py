@@ -5,6 +5,7 @@ Configuration flows environment -> click option (``envvar=``) -> these dataclass
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -50,6 +51,13 @@ class QueueSettings:
     # Room left in a batch led by a faster class is filled with slower-class requests
     # (throughput); off, it runs with its own class and faster ones only (its latency).
     fill_from_slower: bool = True
+    # Enqueue is refused (QueueFull, reason memory) once Redis uses this fraction of its
+    # maxmemory: the rest stays free for results, so workers can always commit. 0: off.
+    # No effect on a Redis without maxmemory.
+    memory_high_water: float = 0.9
+    # A result handed to the client that waited for it (or written to an offline job's
+    # output) is deleted from Redis at once; off, it stays for result_ttl.
+    delete_delivered: bool = True
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
@@ -77,21 +85,31 @@ class QueueSettings:
         return new
 
     def check(self) -> None:
-        if self.max_pending < 1:
-            raise ConfigError(f"max_pending must be at least 1, got {self.max_pending}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if self.lease_seconds < 1:
-            raise ConfigError(f"lease_seconds must be at least 1, got {self.lease_seconds}")
-        if self.result_ttl < 1:
-            raise ConfigError(f"result_ttl must be at least 1 second, got {self.result_ttl}")
-        if self.max_request_bytes < 64:
-            raise ConfigError(f"max_request_bytes must be at least 64, got {self.max_request_bytes}")
+        """Raise ConfigError naming the first setting out of its range (nan and inf too)."""
+        for name, (low, high) in LIMITS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+                raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
         for name, delay in self.class_delays.items():
             if not CLASS_NAME.match(name):
                 raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or '_'")
-            if not 0 <= delay <= 7 * 86_400:
-                raise ConfigError(f"class delay for {name!r} must be 0..604800 seconds, got {delay}")
+            if not (math.isfinite(delay) and 0 <= delay <= MAX_CLASS_DELAY_S):
+                raise ConfigError(f"class delay for {name!r} must be 0..{MAX_CLASS_DELAY_S} "
+                                  f"seconds, got {delay}")
+
+
+MAX_CLASS_DELAY_S = 7 * 86_400
+# Accepted range of each numeric setting. The upper bounds keep every value one Redis
+# and Lua can use (an expire of 10**16 s is "invalid expire time" on every commit).
+LIMITS: dict[str, tuple[float, float]] = {
+    "max_pending": (1, 1_000_000_000),
+    "max_attempts": (1, 1000),
+    "lease_seconds": (1, 86_400),             # a day: a lease is a heartbeat's grace, not a job's
+    "result_ttl": (1, 366 * 86_400),          # a year
+    "max_request_bytes": (64, 512 << 20),     # Redis' bulk string limit
+    "max_input_tokens": (0, 10_000_000),
+    "memory_high_water": (0, 1),
+}
 
 
 _PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}

@@ -104,6 +104,25 @@ def retryable(error: Exception) -> bool:
     return not isinstance(error, redis.AuthenticationError)
 
 
+# Replies that mean "not now" rather than "never": a server loading its data or running a
+# long script, a replica promoted under us, a Cluster moving slots.
+_TRANSIENT_REPLIES = ("LOADING", "BUSY", "MASTERDOWN", "READONLY", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def transient(error: Exception) -> bool:
+    """True for errors that a retry may cure (the connection, a server starting or failing
+    over); False for permanent ones (a command Redis refuses: out of memory, a bad
+    argument, no permission), which the same call will meet again every time."""
+    if isinstance(error, redis.AuthenticationError):
+        return False
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError, ConnectionError,
+                          TimeoutError, redis.exceptions.ReadOnlyError,
+                          redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+                          redis.exceptions.MasterDownError)):
+        return True
+    return isinstance(error, redis.ResponseError) and str(error).startswith(_TRANSIENT_REPLIES)
+
+
 class _Retry(Retry):
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:

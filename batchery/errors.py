@@ -20,9 +20,14 @@ class RequestTooLarge(InvalidRequest):
 
 
 class QueueFull(BatcheryError):
-    """The queue holds max_pending requests already; retry later or raise the limit."""
+    """The queue refuses new requests for now: it holds max_pending requests already
+    (reason ``max_pending``), or Redis is over its memory high-water mark (``memory``)."""
 
     exit_code = 3
+
+    def __init__(self, message: str, reason: str = "max_pending") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class JobNotFound(BatcheryError):
@@ -35,6 +40,12 @@ class ConfigError(BatcheryError, ValueError):
     """A setting or option that cannot work (bad URL, bad runner, missing model)."""
 
     exit_code = 2
+
+
+class RequestLost(BatcheryError, LookupError):
+    """Redis holds no trace of a request waited on: not queued, not running, no result."""
+
+    exit_code = 6
 
 
 class ResultTimeout(BatcheryError, TimeoutError):

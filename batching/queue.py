@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import redis
+
 from batchery.config import QueueSettings, check_queue_name
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
 from batchery.batching.keys import QUEUES, Keys
@@ -53,9 +55,16 @@ class RequestQueue:
         self.client.sadd(QUEUES, self.name)
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
-        """Accept requests all or nothing; True for each new one, False if already known."""
+        """Accept requests all or nothing; True for each new one, False if already known.
+
+        Raises QueueFull (reason ``max_pending`` or ``memory``), or InvalidRequest.
+        """
         call = enqueue_call(self.keys, requests, client_id)
-        return parse_enqueue(self.scripts.enqueue(call.keys, call.args), requests)
+        try:
+            reply = self.scripts.enqueue(call.keys, call.args)
+        except redis.OutOfMemoryError as exc:
+            raise memory_full(exc) from None
+        return parse_enqueue(reply, requests)
 
     def cancel(self, ids: Sequence[str]) -> list[int]:
         """1: cancelled while queued, 2: while running (output discarded), 0: too late."""
@@ -73,6 +82,19 @@ class RequestQueue:
             return []
         raws = self.client.mget([self.keys.result(i) for i in ids])
         return [Result.from_json(r) if r else None for r in raws]
+
+    def lookup(self, ids: Sequence[str]) -> list[Result | bool]:
+        """Each request's Result; else True while Redis still holds it (queued, running,
+        dead-lettered), False when it knows nothing of it. One atomic read."""
+        if not ids:
+            return []
+        call = lookup_call(self.keys, ids)
+        return parse_lookup(self.scripts.lookup(call.keys, call.args))
+
+    def forget_results(self, ids: Sequence[str]) -> None:
+        """Delete results that reached their reader (QueueSettings.delete_delivered)."""
+        if ids:
+            self.client.delete(*(self.keys.result(i) for i in ids))
 
     def is_known(self, request_id: str) -> bool:
         """Queued, running, dead-lettered, or finished with a result."""
@@ -207,7 +229,7 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
     """The enqueue script's KEYS and ARGV (see lua/enqueue.lua)."""
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
-                       delays, client_id]
+                       delays, client_id, DEFAULTS.memory_high_water]
     for r in requests:
         tokens = r.tokens if r.tokens is not None else estimate_tokens(r.input)
         deadline_ms = int(r.deadline * 1000) if r.deadline else 0
@@ -227,6 +249,23 @@ def cancel_call(k: Keys, ids: Sequence[str]) -> Call:
                  k.settings, k.depth, k.stats], args)
 
 
+def lookup_call(k: Keys, ids: Sequence[str]) -> Call:
+    """The lookup script's KEYS and ARGV (see lua/lookup.lua)."""
+    return Call([k.requests, *(k.result(i) for i in ids)], list(ids))
+
+
+def parse_lookup(reply: list[Any]) -> list[Result | bool]:
+    return [Result.from_json(r) if isinstance(r, (str, bytes)) else bool(r) for r in reply]
+
+
+def memory_full(error: Exception | str) -> QueueFull:
+    """QueueFull for a Redis over its memory high-water mark (str: the numbers), or out of
+    memory (the OutOfMemoryError it answered)."""
+    why = error if isinstance(error, str) else "it is out of memory: used memory > maxmemory"
+    return QueueFull(f"queue is full: Redis is short of memory ({why}); retry later, let "
+                     "workers drain the queue, or give Redis more maxmemory", reason="memory")
+
+
 def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
     if int(reply[0]) == 1:
         return [bool(int(s)) for s in reply[2:]]
@@ -235,6 +274,10 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
         raise QueueFull(f"queue is full: it holds its max_pending of {detail} requests; "
                         "retry later, add workers, or raise it with `batchery queue config "
                         "QUEUE --max-pending N`")
+    if code == "memory":
+        used, _, most = str(detail).partition("/")
+        raise memory_full(f"it uses {int(used) / 2**20:.1f} MiB of its maxmemory "
+                          f"{int(most) / 2**20:.1f} MiB, over the queue's memory_high_water")
     request = requests[index - 1]
     if code == "too_large":
         raise RequestTooLarge(f"request {request.id!r} is {len(request.payload())} bytes, over "

@@ -10,7 +10,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release")
+NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
+         "lookup")
 
 
 @lru_cache(maxsize=None)
@@ -36,3 +37,4 @@ class Scripts:
     revive: Any
     purge: Any
     release: Any
+    lookup: Any

@@ -9,13 +9,16 @@ from typing import Any, Iterable, Mapping
 
 from batchery.batching.messages import Request, Result
 from batchery.batching.keys import QUEUES, Keys
-from batchery.batching.queue import cancel_call, enqueue_call, parse_enqueue
+import redis
+
+from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
+                                     parse_enqueue, parse_lookup)
 from batchery.batching.scripts import Scripts
 from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
-                                      make_request)
+                                      check_timeout, lost, make_request)
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
 
@@ -27,17 +30,24 @@ class AsyncHandle:
         self._future = future
 
     async def result(self, timeout: float | None = None) -> Result:
-        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s."""
+        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s,
+        RequestLost when Redis holds no trace of the request any more."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             try:
                 return await asyncio.wait_for(asyncio.shield(self._future), max(left, 0))
             except asyncio.TimeoutError:
-                found = await self._client.get(self.id)
-                if found is not None:
-                    self._client.replies.deliver(found)
+                found = (await self._client.lookup([self.id]))[0]
+                if isinstance(found, Result):
+                    if self._client.replies.deliver(found):
+                        await self._client.replies.delivered([found.id])
                     return found
+                if not found:  # its reply may have been delivered as we looked
+                    if self._future.done():
+                        return self._future.result()
+                    raise lost(self.id)
             if deadline is not None and time.monotonic() >= deadline:
                 raise ResultTimeout(f"no result for request {self.id!r} within {timeout}s; it "
                                     "stays queued: wait again, or cancel it")
@@ -57,6 +67,7 @@ class AsyncClient:
         self.client_id = secrets.token_hex(8)
         self._new_id = RequestIds()
         self._count: TokenCounter | None = None
+        self._delete_delivered = True  # read from the queue's settings on connect
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -68,9 +79,11 @@ class AsyncClient:
     async def connect(self) -> None:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
         self._scripts = Scripts(self._conn)
-        self.replies = AsyncReplyListener(self._conn, self.keys.reply(self.client_id))
+        self.replies = AsyncReplyListener(self._conn, self.keys.reply(self.client_id),
+                                          self._forget_delivered)
         await self._conn.sadd(QUEUES, self.keys.queue)  # listed for `batchery stats`
         settings = QueueSettings.from_redis(await self._conn.hgetall(self.keys.settings))
+        self._delete_delivered = settings.delete_delivered
         self._count = await asyncio.to_thread(TokenCounter, settings.tokenizer,
                                               settings.max_input_tokens)
 
@@ -96,7 +109,11 @@ class AsyncClient:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
         call = enqueue_call(self.keys, batch, self.client_id)
-        parse_enqueue(await self._scripts.enqueue(call.keys, call.args), batch)
+        try:
+            reply = await self._scripts.enqueue(call.keys, call.args)
+        except redis.OutOfMemoryError as exc:
+            raise memory_full(exc) from None
+        parse_enqueue(reply, batch)
         return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
@@ -108,6 +125,7 @@ class AsyncClient:
                   deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                   timeout: float | None = None) -> list[Result]:
         """Run every input and return the results in input order, ``max_in_flight`` queued."""
+        timeout = check_timeout(timeout)
         values = list(inputs)
         results: list[Result | None] = [None] * len(values)
         waiting: dict[asyncio.Future, tuple[int, str]] = {}
@@ -122,10 +140,18 @@ class AsyncClient:
             done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             if not done:  # replies may have been lost (a Redis restart): read the keys
                 ids = [request_id for _, request_id in waiting.values()]
-                for raw in await self._conn.mget([self.keys.result(i) for i in ids]):
-                    if raw:
-                        self.replies.deliver(Result.from_json(raw))
+                delivered, gone = [], []
+                for request_id, found in zip(ids, await self.lookup(ids)):
+                    if isinstance(found, Result):
+                        if self.replies.deliver(found):
+                            delivered.append(request_id)
+                    elif not found:
+                        gone.append(request_id)
+                await self.replies.delivered(delivered)
                 done = {f for f in waiting if f.done()}
+                gone = [i for f, (_, i) in waiting.items() if i in set(gone) and not f.done()]
+                if gone:
+                    raise lost(gone[0])
             for future in done:
                 results[waiting.pop(future)[0]] = future.result()
                 progress = time.monotonic()
@@ -133,6 +159,18 @@ class AsyncClient:
                 raise ResultTimeout(f"no result for any of {len(waiting)} requests within "
                                     f"{timeout}s; they stay queued")
         return results  # type: ignore[return-value]
+
+    async def lookup(self, ids: list[str]) -> list[Result | bool]:
+        """Each request's Result; else True while Redis holds it, False when it does not."""
+        found: list[Result | bool] = []
+        for start in range(0, len(ids), ENQUEUE_CHUNK):
+            call = lookup_call(self.keys, ids[start:start + ENQUEUE_CHUNK])
+            found += parse_lookup(await self._scripts.lookup(call.keys, call.args))
+        return found
+
+    async def _forget_delivered(self, ids: list[str]) -> None:
+        if self._delete_delivered:
+            await self._conn.delete(*(self.keys.result(i) for i in ids))
 
     async def get(self, request_id: str) -> Result | None:
         raw = await self._conn.get(self.keys.result(request_id))

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from batchery.errors import InvalidRequest
+from batchery.params import FINITE
 from batchery.producer.client import Client
 
 
@@ -21,10 +22,10 @@ def _priority(value: str) -> str | int:
               help="A JSON input, e.g. '{\"text\": \"hi\"}' (repeatable).")
 @click.option("--priority", "-p", default="normal", show_default=True,
               help="realtime, normal, batch, or a delay in seconds.")
-@click.option("--deadline", type=float, help="Seconds from now after which it is not run.")
+@click.option("--deadline", type=FINITE, help="Seconds from now after which it is not run.")
 @click.option("--id", "request_id", help="Request id (one input only); enqueue is idempotent by id.")
 @click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines.")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="With --wait.")
+@click.option("--timeout", type=FINITE, default=60.0, show_default=True, help="With --wait.")
 def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
             deadline: float | None, request_id: str | None, wait: bool, timeout: float,
             queue: str, redis_url: str, cluster: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import time
 from collections import abc
@@ -15,7 +16,7 @@ from batchery.batching.messages import Request, Result
 from batchery.batching.queue import RequestQueue
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
-from batchery.errors import InvalidRequest, ResultTimeout
+from batchery.errors import InvalidRequest, RequestLost, ResultTimeout
 from batchery.producer.replies import ReplyListener
 from batchery.producer.tokens import TokenCounter
 
@@ -55,6 +56,22 @@ def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
                              meta=fields.get("meta"), count=count)
 
 
+def lost(request_id: str) -> RequestLost:
+    return RequestLost(
+        f"request {request_id!r} is not in Redis any more: not queued, not running, and no "
+        "result. Its result was delivered already (and deleted: queue setting "
+        "delete_delivered) or expired (result_ttl), or Redis lost the request itself (a "
+        "crash loses the last second of writes under appendfsync everysec). Enqueue it again "
+        "to run it.")
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or math.isnan(timeout) or timeout < 0):
+        raise ValueError(f"timeout must be None (no limit) or seconds >= 0, got {timeout!r}")
+    return None if timeout is None or math.isinf(timeout) else timeout
+
+
 class Handle:
     """A request that was accepted; wait for its result or cancel it."""
 
@@ -64,17 +81,24 @@ class Handle:
         self._future = future
 
     def result(self, timeout: float | None = None) -> Result:
-        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s."""
+        """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s,
+        RequestLost when Redis holds no trace of the request any more."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             try:
                 return self._future.result(timeout=max(left, 0))
             except FutureTimeout:
-                found = self._client.queue.result(self.id)
-                if found is not None:
-                    self._client.replies.deliver(found)
+                found = self._client.queue.lookup([self.id])[0]
+                if isinstance(found, Result):
+                    if self._client.replies.deliver(found):
+                        self._client.replies.delivered([found.id])
                     return found
+                if not found:  # its reply may have been delivered as we looked
+                    if self._future.done():
+                        return self._future.result()
+                    raise lost(self.id)
             if deadline is not None and time.monotonic() >= deadline:
                 raise ResultTimeout(f"no result for request {self.id!r} within {timeout}s; it "
                                     "stays queued: wait again, or cancel it")
@@ -99,7 +123,9 @@ class Client:
         self._conn = self.redis.client()
         self.queue = RequestQueue(self._conn, queue)
         self.client_id = secrets.token_hex(8)
-        self.replies = ReplyListener(self._conn, self.queue.keys.reply(self.client_id))
+        self.replies = ReplyListener(self._conn, self.queue.keys.reply(self.client_id),
+                                     self._forget_delivered)
+        self._delete_delivered: bool | None = None
         self._new_id = RequestIds()
         self._count: TokenCounter | None = None
         self._registered = False
@@ -144,6 +170,12 @@ class Client:
         """A validated Request from a dict; an absent id is generated, tokens counted."""
         return make_request(fields, self._new_id, self.counter)
 
+    def _forget_delivered(self, ids: list[str]) -> None:
+        if self._delete_delivered is None:
+            self._delete_delivered = self.queue.settings().delete_delivered
+        if self._delete_delivered:
+            self.queue.forget_results(ids)
+
     def counter(self, value: Any) -> int:
         if self._count is None:
             settings = self.queue.settings()
@@ -165,6 +197,7 @@ class Client:
         Results come in completion order; each carries its request's id. ``timeout``
         bounds the wait for any one result.
         """
+        timeout = check_timeout(timeout)
         source = iter(requests)
         done: SimpleQueue[Result] = SimpleQueue()  # filled by the reply listener
         waiting: set[str] = set()
@@ -192,16 +225,18 @@ class Client:
         """Wait for at least one of ``waiting`` to finish; yield and drop all that did."""
         started = time.monotonic()
         while True:
+            gone: list[str] = []
             try:
                 arrived = [done.get(timeout=POLL_S)]
             except Empty:  # replies may be lost (a Redis restart): read the results
-                for found in self.queue.results(list(waiting)):
-                    if found is not None:
-                        self.replies.deliver(found)
+                gone = self._look_up(list(waiting))
                 arrived = []
             while not done.empty():
                 arrived.append(done.get_nowait())
             fresh = [r for r in arrived if r.id in waiting]
+            gone = [i for i in gone if i not in {r.id for r in fresh}]
+            if gone:
+                raise lost(gone[0])
             if fresh:
                 waiting.difference_update(r.id for r in fresh)
                 yield from fresh
@@ -209,6 +244,20 @@ class Client:
             if timeout is not None and time.monotonic() - started >= timeout:
                 raise ResultTimeout(f"no result for any of {len(waiting)} requests within "
                                     f"{timeout}s; they stay queued")
+
+    def _look_up(self, ids: list[str]) -> list[str]:
+        """Deliver the results found by reading them; returns the ids Redis knows nothing of."""
+        gone, delivered = [], []
+        for start in range(0, len(ids), ENQUEUE_CHUNK):
+            chunk = ids[start:start + ENQUEUE_CHUNK]
+            for request_id, found in zip(chunk, self.queue.lookup(chunk)):
+                if isinstance(found, Result):
+                    if self.replies.deliver(found):
+                        delivered.append(request_id)
+                elif not found:
+                    gone.append(request_id)
+        self.replies.delivered(delivered)
+        return gone
 
     def map(self, inputs: Iterable[Any], priority: str | int = "normal",
             deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,

@@ -3,6 +3,8 @@
 Each client owns one list (``Keys.reply(client_id)``); a single reader pops results in
 bulk and resolves the futures of the handles waiting on them. A result nobody waits
 for any more (its handle was dropped) is not kept: it stays readable under its key.
+Results that reached a waiter are handed to ``on_delivered`` (the client deletes them
+from Redis: QueueSettings.delete_delivered).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import redis
 
@@ -28,9 +30,11 @@ RETRY_CAP_S = 2.0
 class ReplyListener:
     """Resolves concurrent.futures of one synchronous client, from a daemon thread."""
 
-    def __init__(self, client: Any, reply_key: str) -> None:
+    def __init__(self, client: Any, reply_key: str,
+                 on_delivered: Callable[[list[str]], None] | None = None) -> None:
         self._client = client
         self._key = reply_key
+        self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, Future] = weakref.WeakValueDictionary()
         self._sinks: dict[str, Callable[[Result], None]] = {}
         self._lock = threading.Lock()
@@ -67,8 +71,9 @@ class ReplyListener:
             self._waiters.pop(request_id, None)
             self._sinks.pop(request_id, None)
 
-    def deliver(self, result: Result) -> None:
-        """Resolve the waiter of a result found another way (a direct read)."""
+    def deliver(self, result: Result) -> bool:
+        """Resolve the waiter of a result (popped, or found by a direct read); True if
+        someone waited for it."""
         with self._lock:
             sink = self._sinks.pop(result.id, None)
             future = self._waiters.pop(result.id, None) if len(self._waiters) else None
@@ -76,6 +81,16 @@ class ReplyListener:
             sink(result)
         if future is not None and not future.done():
             future.set_result(result)
+            return True
+        return sink is not None
+
+    def delivered(self, ids: list[str]) -> None:
+        """Tell the owner these results reached their waiters (it may delete them)."""
+        if ids and self._on_delivered is not None:
+            try:
+                self._on_delivered(ids)
+            except redis.RedisError as exc:  # they expire after result_ttl anyway
+                log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
 
     def close(self) -> None:
         self._stop.set()
@@ -86,8 +101,7 @@ class ReplyListener:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                for raw in self._pop():
-                    self.deliver(Result.from_json(raw))
+                self.delivered([r.id for r in map(Result.from_json, self._pop()) if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
@@ -104,9 +118,11 @@ class ReplyListener:
 class AsyncReplyListener:
     """The asyncio twin of ReplyListener: one task per client resolves asyncio futures."""
 
-    def __init__(self, client: Any, reply_key: str) -> None:
+    def __init__(self, client: Any, reply_key: str,
+                 on_delivered: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         self._client = client
         self._key = reply_key
+        self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -120,10 +136,19 @@ class AsyncReplyListener:
             self._task = asyncio.create_task(self._run(), name="batchery-replies")
         return future
 
-    def deliver(self, result: Result) -> None:
+    def deliver(self, result: Result) -> bool:
         future = self._waiters.pop(result.id, None)
         if future is not None and not future.done():
             future.set_result(result)
+            return True
+        return False
+
+    async def delivered(self, ids: list[str]) -> None:
+        if ids and self._on_delivered is not None:
+            try:
+                await self._on_delivered(ids)
+            except redis.RedisError as exc:  # they expire after result_ttl anyway
+                log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
 
     async def close(self) -> None:
         """Stop after the current blocking pop (at most BLOCK_S) rather than cancel it:
@@ -143,8 +168,8 @@ class AsyncReplyListener:
                 first = await self._client.blpop([self._key], timeout=BLOCK_S)
                 if first:
                     rest = await self._client.lpop(self._key, DRAIN) or []
-                    for raw in [first[1], *rest]:
-                        self.deliver(Result.from_json(raw))
+                    results = [Result.from_json(raw) for raw in [first[1], *rest]]
+                    await self.delivered([r.id for r in results if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)

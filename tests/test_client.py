@@ -91,6 +91,7 @@ def test_stream_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str
 
 def test_idempotent_enqueue_returns_the_existing_result(redis_url: str, queue_name: str) -> None:
     with Client(redis_url, queue_name) as first, Client(redis_url, queue_name) as second:
+        first.queue.update_settings(delete_delivered=False)  # kept once delivered
         first.enqueue("original", id="same-id")
         with BackgroundWorker(redis_url, queue_name):
             assert first.handle("same-id").result(timeout=10).output["echo"] == "original"

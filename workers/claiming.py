@@ -13,7 +13,7 @@ from batchery.batching.messages import Claimed
 from batchery.batching.queue import ClaimReply, RequestQueue
 from batchery.workers import metrics
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
-from batchery.workers.leases import Leases
+from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import Runner
 
@@ -89,8 +89,7 @@ class Claimer(threading.Thread):
                 backoff = 0.1
             except Exception as exc:  # Redis away, or a bug: keep serving, leases cover it
                 self.slots.release()
-                log.warning("claim failed (%s); retrying in %.1fs", exc, backoff,
-                            exc_info=not isinstance(exc, redis.RedisError))
+                report_redis_error("claim", exc, backoff)
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, RETRY_CAP_S)
                 continue

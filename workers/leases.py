@@ -10,6 +10,7 @@ import redis
 
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
+from batchery.connection import transient
 from batchery.workers import metrics
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,19 @@ class Leases:
         return len(self._held)
 
 
+def report_redis_error(operation: str, exc: Exception, retry_in: float) -> None:
+    """Log an error a worker thread meets and retries: a warning when it may heal (Redis
+    away), an error and the batchery_redis_errors_total metric when Redis refuses the
+    command itself (out of memory, no permission), a traceback when it is a bug."""
+    if isinstance(exc, redis.RedisError) and not transient(exc):
+        metrics.REDIS_ERRORS.labels(operation).inc()
+        log.error("%s refused by Redis (%s: %s); retrying in %.1fs", operation,
+                  type(exc).__name__, exc, retry_in)
+        return
+    log.warning("%s failed (%s); retrying in %.1fs", operation, exc, retry_in,
+                exc_info=not isinstance(exc, redis.RedisError))
+
+
 class Heartbeat(threading.Thread):
     """Every lease_seconds/3: renew held leases, mark the worker live, maybe reap.
 
@@ -63,8 +77,7 @@ class Heartbeat(threading.Thread):
             try:
                 self.beat()
             except Exception as exc:  # never let the heartbeat die: leases would lapse
-                log.warning("heartbeat failed (%s); leases are renewed on the next beat", exc,
-                            exc_info=not isinstance(exc, redis.RedisError))
+                report_redis_error("heartbeat", exc, self.interval_s)
 
     def beat(self) -> None:
         settings = self.queue.settings()

@@ -28,6 +28,9 @@ QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue"
 INFLIGHT = Gauge("batchery_inflight", "Requests this worker holds leases on")
 RETRIES = Counter("batchery_retries_total", "Failed runs scheduled for another attempt")
 DEAD_LETTERS = Counter("batchery_dead_letters_total", "Requests dead-lettered")
+REDIS_ERRORS = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
+                       "Redis refuses, e.g. out of memory) met by the worker, by operation",
+                       ["operation"])
 OOM_BACKOFFS = Counter("batchery_oom_backoffs_total", "Batches halved after out of memory")
 
 

@@ -12,6 +12,7 @@ import redis
 
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
 from batchery.batching.queue import RequestQueue
+from batchery.connection import transient
 from batchery.workers import metrics
 from batchery.workers.execution import Executed, Outcome
 from batchery.workers.leases import Leases
@@ -42,7 +43,11 @@ class ResultWriter(threading.Thread):
                 try:
                     self.write(executed)
                     break
-                except redis.RedisError as exc:  # keep the results; the leases may still hold
+                except redis.RedisError as exc:
+                    if not transient(exc):  # the same call would fail forever
+                        self.give_up(executed, exc)
+                        break
+                    # keep the results; the leases may still hold
                     log.warning("writing results failed (%s); retrying in %.1fs", exc, backoff)
                     threading.Event().wait(backoff)
                     backoff = min(backoff * 2, RETRY_CAP_S)
@@ -50,6 +55,32 @@ class ResultWriter(threading.Thread):
                     log.exception("could not write %d result(s)", len(executed.outcomes))
                     self.leases.drop(o.request.id for o in executed.outcomes)
                     break
+
+    def give_up(self, executed: Executed, error: redis.RedisError) -> None:
+        """Redis refuses the commit for good (out of memory, a setting it rejects): fail
+        the batch's requests with the reason (retried with backoff, then dead-lettered);
+        if even that is refused, release them. Either way stop renewing their leases."""
+        ids = [o.request.id for o in executed.outcomes]
+        metrics.REDIS_ERRORS.labels("commit").inc()
+        log.error("Redis refused the results of %d request(s): %s: %s; failing them with that "
+                  "reason", len(ids), type(error).__name__, error)
+        reason = {"type": "RedisError",
+                  "message": f"Redis refused to store the result ({type(error).__name__}: {error})"}
+        items = [(o.request.id, o.request.token,
+                  self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
+        try:
+            flags = self.queue.fail(items)
+            metrics.RETRIES.inc(flags.count(1))
+            metrics.DEAD_LETTERS.inc(flags.count(2))
+        except redis.RedisError as exc:
+            metrics.REDIS_ERRORS.labels("fail").inc()
+            log.error("failing them was refused too (%s); releasing them to the queue", exc)
+            try:
+                self.queue.release([(o.request.id, o.request.token) for o in executed.outcomes])
+            except redis.RedisError as again:  # their leases lapse: the reaper takes them back
+                metrics.REDIS_ERRORS.labels("release").inc()
+                log.error("releasing them failed too (%s); their leases will lapse", again)
+        self.leases.drop(ids)
 
     def write(self, executed: Executed) -> None:
         final = [o for o in executed.outcomes if not o.retry]
@@ -79,10 +110,13 @@ class ResultWriter(threading.Thread):
             log.warning("discarded %d result(s): this worker no longer held their lease", lost)
         self.leases.drop(o.request.id for o in executed.outcomes)
 
-    def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR) -> tuple[str, str]:
+    def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
+                error: dict[str, str] | None = None) -> tuple[str, str]:
         r = o.request
-        status = EXPIRED if o.expired else OK if o.error is None else failed_status
-        body: dict[str, Any] = {"id": r.id, "status": status, "output": o.output, "error": o.error,
+        status = failed_status if error else EXPIRED if o.expired else OK if o.error is None \
+            else failed_status
+        body: dict[str, Any] = {"id": r.id, "status": status,
+                                "output": None if error else o.output, "error": error or o.error,
                                 "attempts": r.attempt, "worker": self.worker_id,
                                 "batch_size": o.batch_size or None,
                                 "queued_ms": max(0, claimed_ms - r.enqueued_ms),

@@ -12,11 +12,14 @@
 -- ARGV[3] default max_request_bytes
 -- ARGV[4] default class delays in ms, "realtime=0,normal=5000,batch=60000"
 -- ARGV[5] client id whose reply list gets the results ('' for none)
--- ARGV[6..] groups of 5: id, priority (class name or integer seconds), tokens,
+-- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
+--         over this fraction of its maxmemory (0, or no maxmemory: no check)
+-- ARGV[7..] groups of 5: id, priority (class name or integer seconds), tokens,
 --           deadline in ms from now (0 = none), request JSON
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
---         'too_large' (detail: max_request_bytes), 'priority' (detail: the class);
+--         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
+--         'memory' (detail: "used_memory/maxmemory");
 --         nothing is written then.
 local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
            wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8]}
@@ -46,10 +49,21 @@ local function class_of(delay)
   return best
 end
 
-local n = (#ARGV - 5) / 5
+-- used_memory and maxmemory from INFO, when a high-water mark applies and is passed.
+local function over_high_water()
+  local fraction = setting(K.settings, 'memory_high_water', tonumber(ARGV[6]))
+  if not fraction or fraction <= 0 then return nil end
+  local info = rcall('INFO', 'memory')
+  local used = tonumber(string.match(info, 'used_memory:(%d+)'))
+  local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
+  if max and max > 0 and used > fraction * max then return used .. '/' .. max end
+  return nil
+end
+
+local n = (#ARGV - 6) / 5
 local status, fresh = {}, 0
 for i = 1, n do
-  local base = 5 + (i - 1) * 5
+  local base = 6 + (i - 1) * 5
   local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
   if rcall('HEXISTS', K.requests, id) == 1 or rcall('EXISTS', result_prefix .. id) == 1 then
     status[i] = 0
@@ -63,12 +77,16 @@ end
 if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
   return {0, 'full', 0, max_pending}
 end
+if fresh > 0 then
+  local memory = over_high_water()
+  if memory then return {0, 'memory', 0, memory} end
+end
 
 local now = now_ms()
 local zargs, hargs, sargs, counts = {}, {}, {}, {}
 for i = 1, n do
   if status[i] == 1 then
-    local base = 5 + (i - 1) * 5
+    local base = 6 + (i - 1) * 5
     local id, priority = ARGV[base + 1], ARGV[base + 2]
     local deadline = tonumber(ARGV[base + 4])
     local delay, class = delay_of(priority)
