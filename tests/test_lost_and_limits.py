@@ -1,0 +1,99 @@
+"""A request Redis lost ends its waiters with RequestLost; absurd settings are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from batchery import AsyncClient, Client
+from batchery.errors import RequestLost
+from tests.conftest import RedisServer, run_cli, wait_for
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lease-seconds", "nan"], "'nan' is not a finite number"),
+    (["--lease-seconds", "inf"], "'inf' is not a finite number"),
+    (["--lease-seconds", "1e9"], "lease_seconds must be a number from 1 to 86400"),
+    (["--result-ttl", "10000000000000000"], "result_ttl must be a number from 1 to 3.16224e+07"),
+    (["--max-pending", "0"], "max_pending must be a number from 1"),
+    (["--memory-high-water", "1.5"], "memory_high_water must be a number from 0 to 1"),
+    (["--memory-high-water", "nan"], "'nan' is not a finite number"),
+    (["--class-delay", "batch=inf"], "expected CLASS=SECONDS"),
+])
+def test_absurd_queue_settings_are_refused(redis_url: str, queue_name: str, args: list[str],
+                                           message: str) -> None:
+    done = run_cli("queue", "config", queue_name, *args, redis_url=redis_url)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    shown = json.loads(run_cli("queue", "config", queue_name, "--json", redis_url=redis_url).stdout)
+    assert shown["lease_seconds"] == 30.0 and shown["result_ttl"] == 86400  # unchanged
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--deadline"])
+def test_non_finite_client_numbers_are_refused(redis_url: str, queue_name: str, option: str) -> None:
+    done = run_cli("enqueue", "-q", queue_name, "--text", "x", "--wait", option, "nan",
+                   redis_url=redis_url)
+    assert done.returncode == 2 and "not a finite number" in done.stderr, done.stderr
+    with Client(redis_url, queue_name) as client:
+        with pytest.raises(ValueError, match="timeout must be None"):
+            client.enqueue("x").result(timeout=float("nan"))
+
+
+def test_a_request_redis_lost_ends_its_waiters_with_a_clear_error(queue_name: str) -> None:
+    """Redis restarts without the writes of the last moment (no persistence here: the
+    whole queue is gone, as the last second is under appendfsync everysec after a host
+    crash). A handle, a stream and an async handle stop waiting and say so."""
+    server = RedisServer()  # --appendonly no --save '': a restart keeps nothing
+    try:
+        with Client(server.url, queue_name) as client:
+            handle = client.enqueue("never to run")
+            ids = [f"{queue_name}-{i}" for i in range(3)]
+            stream_error: list[BaseException] = []
+
+            def consume() -> None:
+                try:
+                    list(client.stream([{"id": i, "input": i} for i in ids]))
+                except BaseException as exc:
+                    stream_error.append(exc)
+            consumer = threading.Thread(target=consume)
+            consumer.start()
+            wait_for(lambda: client.queue.lookup(ids) == [True] * 3, 10, message="streamed")
+
+            async def wait_async() -> BaseException:
+                async with AsyncClient(server.url, queue_name) as ac:
+                    h = await ac.enqueue("async never to run")
+                    server.stop(signal.SIGKILL)
+                    server.start()
+                    try:
+                        await h.result(timeout=30)
+                    except Exception as exc:
+                        return exc
+                    raise AssertionError("the async handle waited in vain")
+            started = time.monotonic()
+            async_error = asyncio.run(wait_async())
+            assert isinstance(async_error, RequestLost), async_error
+            with pytest.raises(RequestLost, match="not in Redis any more"):
+                handle.result(timeout=30)
+            consumer.join(30)
+            assert [type(e) for e in stream_error] == [RequestLost]
+            assert "Enqueue it again" in str(stream_error[0])
+            assert time.monotonic() - started < 15  # noticed within a few polls, not 30 s
+    finally:
+        server.close()
+
+
+def test_a_deleted_request_state_is_noticed_by_a_waiting_handle(redis_url: str,
+                                                               queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        handle = client.enqueue("about to vanish")
+        assert client.queue.lookup([handle.id]) == [True]
+        k = client.queue.keys
+        client.queue.client.hdel(k.requests, handle.id)  # as an AOF missing its write would
+        client.queue.client.zrem(k.pending, handle.id)
+        with pytest.raises(RequestLost):
+            handle.result(timeout=10)
