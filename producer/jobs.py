@@ -175,8 +175,9 @@ def fetch(conn: redis.Redis, job_id: str) -> Job:
     try:
         job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     except (NoSuchJobError, ValueError, TypeError):
-        raise JobNotFound(f"no offline job {job_id!r} (finished jobs are kept "
-                          f"{RESULT_TTL_S // 86_400} days); `batchery status` lists recent jobs") from None
+        raise JobNotFound(f"no offline job {job_id!r}: it was deleted (e.g. from rq-dashboard, "
+                          f"which cancels it) or finished over {RESULT_TTL_S // 86_400} days "
+                          "ago; `batchery status` lists recent jobs") from None
     if job.func_name != JOB_FUNC:
         raise JobNotFound(f"RQ job {job_id!r} is not a batchery offline job")
     return job

@@ -9,7 +9,11 @@ the job) with what long offline jobs need:
 - a job cancelled while running (``batchery cancel``) stays cancelled in RQ when its
   function returns, instead of being marked finished;
 - a warm shutdown (SIGTERM) hands the running job back to the queue within a second,
-  instead of waiting for a job that may run for hours.
+  instead of waiting for a job that may run for hours;
+- it runs batchery's job function only: any Redis writer can queue an RQ job naming any
+  importable function, and a worker that ran it would run arbitrary code;
+- a job deleted while running (rq-dashboard's Delete, RQ's ``job.delete()``) ends as a
+  cancel: its queued requests are withdrawn, and RQ neither fails nor retries it.
 
 ``rq worker --worker-class batchery.producer.jobs_worker.JobsWorker`` runs it too.
 """
@@ -20,11 +24,13 @@ import logging
 import threading
 from typing import Any
 
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.worker import SimpleWorker, WorkerStatus
 
 from batchery.producer import jobrun
+from batchery.producer.jobs import JOB_FUNC
 
 log = logging.getLogger(__name__)
 ABANDONED_AFTER_BEATS = 3  # missed heartbeats before a job counts as abandoned
@@ -50,6 +56,9 @@ class JobsWorker(SimpleWorker):
         return self.abandoned_after
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if job.func_name != JOB_FUNC:
+            self.refuse(job, queue)
+            return
         execution = self.prepare_execution(job)
         stop = threading.Event()
 
@@ -69,9 +78,27 @@ class JobsWorker(SimpleWorker):
             heart.join()
         self.set_state(WorkerStatus.IDLE)
 
+    def refuse(self, job: Job, queue: Queue) -> None:
+        """Fail a job that is not a batchery offline job, without importing or running it."""
+        reason = (f"refused: batchery jobs-worker runs only {JOB_FUNC}, and this job calls "
+                  f"{job.func_name!r}; run other RQ jobs on a plain `rq worker` of their own queue")
+        log.error("job %s: %s", job.id, reason)
+        job.retries_left = 0
+        self.handle_job_failure(job, queue, exc_string=reason)
+
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any,
                            execution: Any) -> None:
-        if job.get_status(refresh=True) == JobStatus.CANCELED:  # cancelled while running
+        try:
+            status = job.get_status(refresh=True)
+        except InvalidJobOperation:  # deleted while running: what is left is RQ's heartbeat
+            with self.connection.pipeline() as pipeline:
+                self.cleanup_execution(job, pipeline=pipeline, execution=execution)
+                pipeline.delete(job.key)  # RQ's delete removed the rest
+                pipeline.execute()
+            log.info("job %s was deleted while running: treated as a cancel (its queued "
+                     "requests were withdrawn)", job.id)
+            return
+        if status == JobStatus.CANCELED:  # cancelled while running
             with self.connection.pipeline() as pipeline:
                 self.cleanup_execution(job, pipeline=pipeline, execution=execution)
                 pipeline.execute()
