@@ -79,11 +79,14 @@ class JobRun:
         self.held: list[Line] = []      # lines a full queue refused: enqueued before new ones
         self._retry_at = 0.0
         self._backoff = FULL_BACKOFF_START_S
+        self.written: list[str] = []    # ids whose result is in the output, to delete from Redis
+        self.delete_written = True      # QueueSettings.delete_delivered
         self.files: JobFiles
 
     def run(self) -> dict[str, Any]:
         self._check_input()
         settings = self.queue.settings()
+        self.delete_written = settings.delete_delivered
         out, err = Path(self.spec.output), Path(self.spec.errors)
         try:
             with JobFiles(out, err) as self.files:
@@ -132,7 +135,20 @@ class JobRun:
                 self._collect(0.0 if self._room(exhausted) else self._wait_s())
         finally:
             source.close()
-            self.files.flush()
+            self._forget_written()
+
+    def _forget_written(self) -> None:
+        """Delete from Redis the results now in the output (flushed first: a crash after
+        this loses none; one before it reruns their lines)."""
+        self.files.flush()
+        ids, self.written = self.written, []
+        if not self.delete_written or not ids:
+            return
+        try:
+            for start in range(0, len(ids), ENQUEUE_CHUNK):
+                self.queue.forget_results(ids[start:start + ENQUEUE_CHUNK])
+        except redis.RedisError as exc:  # they expire after result_ttl anyway
+            log.warning("deleting %d written result(s) from Redis failed (%s)", len(ids), exc)
 
     def _room(self, exhausted: bool) -> bool:
         """Lines to enqueue, room for them in flight, and the queue not known full."""
@@ -244,6 +260,7 @@ class JobRun:
         if result.status == CANCELLED_RESULT and self._cancelled():
             return  # withdrawn by `batchery cancel`: the line did not run
         self.files.result(line, result)
+        self.written.append(result.id)
         if result.status == OK:
             self.progress.ok += 1
         else:
@@ -265,6 +282,7 @@ class JobRun:
         if time.monotonic() < self._next_check:
             return None
         self._next_check = time.monotonic() + CHECK_S
+        self._forget_written()
         if self._cancelled():
             return CANCELLED
         if SHUTDOWN.is_set():

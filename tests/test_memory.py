@@ -151,3 +151,22 @@ def test_delivered_results_are_deleted_unless_the_queue_keeps_them(redis_url: st
         handle = client.enqueue("kept")
         assert handle.result(timeout=30).ok
         assert client.get(handle.id).output["echo"] == "kept"
+
+
+def test_an_offline_jobs_results_leave_redis_once_written(redis_url: str, queue_name: str,
+                                                          tmp_path: Path) -> None:
+    from tests.jobs_helpers import read_jsonl, requests, submit, write_lines
+    source = write_lines(tmp_path / "in.jsonl", requests(30))
+    output = tmp_path / "out.jsonl"
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                          log=tmp_path / "worker.log")
+    try:
+        job = submit(redis_url, f"jobs-{queue_name}", queue_name, source, output)
+        done = run_cli("jobs-worker", "--jobs-queue", f"jobs-{queue_name}", "--burst",
+                       redis_url=redis_url)
+        assert done.returncode == 0, done.stderr
+    finally:
+        stop_process(worker)
+    assert len(read_jsonl(output)) == 30
+    with Client(redis_url, queue_name) as client:
+        assert client.queue.lookup([f"{job}:r{i}" for i in range(30)]) == [False] * 30
