@@ -1,0 +1,92 @@
+"""Least privilege: the producer-only and worker-only Redis ACL users of the README work,
+and what each may not do, against a real Redis 7 with real users."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from batchery import Client
+from batchery.batching.queue import RequestQueue
+from tests.conftest import RedisServer, newest_redis_server, start_worker, stop_process, wait_for
+
+# The README's "Least privilege" section, verbatim.
+PRODUCER_ACL = (
+    "on >producer-secret resetchannels "
+    "+ping +evalsha +script|load +info +time "
+    "+get +mget +exists +del +sadd +blpop +lpop +rpush +ltrim +expire +set "
+    "+hget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard "
+    "~batchery:queues ~batchery:{*}:pending ~batchery:{*}:delayed ~batchery:{*}:leased "
+    "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
+    "~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake ~batchery:{*}:result:* "
+    "~batchery:{*}:reply:* ~batchery:{*}:settings")
+WORKER_ACL = (
+    "on >worker-secret resetchannels "
+    "+ping +evalsha +script|load +time "
+    "+get +set +sadd +blpop +rpush +expire +hget +hmget +hgetall +hexists +hset +hdel "
+    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore "
+    "~batchery:*")
+
+
+@pytest.fixture(scope="module")
+def acl_redis() -> Iterator[RedisServer]:
+    binary = newest_redis_server()
+    server = RedisServer(binary=binary)
+    try:
+        with redis.Redis(port=server.port) as admin:
+            admin.execute_command("ACL", "SETUSER", "producer", *PRODUCER_ACL.split())
+            admin.execute_command("ACL", "SETUSER", "worker", *WORKER_ACL.split())
+        yield server
+    finally:
+        server.close()
+
+
+def url(server: RedisServer, user: str) -> str:
+    return f"redis://{user}:{user}-secret@127.0.0.1:{server.port}/0"
+
+
+def test_a_producer_and_a_worker_user_run_a_queue(acl_redis: RedisServer, queue_name: str,
+                                                  tmp_path: Path) -> None:
+    worker = start_worker(url(acl_redis, "worker"), queue_name, "--runner", "tests.runners:echo",
+                          log=tmp_path / "worker.log")
+    try:
+        with Client(url(acl_redis, "producer"), queue_name) as client:
+            results = [h.result(timeout=30) for h in client.enqueue_many(
+                [{"input": i} for i in range(20)])]
+            assert [r.output["echo"] for r in results] == list(range(20))
+            wait_for(lambda: client.queue.lookup([results[0].id]) == [False], 10,
+                     message="the delivered result deleted by the producer")
+            assert list(client.map(["a", "b"], timeout=30))
+        with Client(url(acl_redis, "producer"), f"{queue_name}-idle") as client:
+            handle = client.enqueue("cancel me")
+            assert handle.cancel() and handle.result(timeout=10).status == "cancelled"
+    finally:
+        assert stop_process(worker) == 0
+    log = (tmp_path / "worker.log").read_text()
+    assert "NOPERM" not in log and "Traceback" not in log
+
+
+def test_what_each_user_may_not_do(acl_redis: RedisServer, queue_name: str) -> None:
+    producer = redis.Redis.from_url(url(acl_redis, "producer"), decode_responses=True)
+    worker = redis.Redis.from_url(url(acl_redis, "worker"), decode_responses=True)
+    k = RequestQueue(producer, queue_name).keys
+    refused = [
+        (producer, ("FLUSHALL",)), (producer, ("CONFIG", "GET", "maxmemory")),
+        (producer, ("KEYS", "*")),
+        (producer, ("ZADD", k.workers, "1", "fake-worker")),  # cannot pose as a live worker
+        (producer, ("ZADD", k.dead, "1", "x")), (producer, ("GET", "rq:job:x")),
+        (worker, ("FLUSHALL",)), (worker, ("CONFIG", "SET", "maxmemory", "1")),
+        (worker, ("KEYS", "*")), (worker, ("GET", "rq:job:x")), (worker, ("GET", "other:key")),
+    ]
+    for client, command in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command(*command)
+    with pytest.raises(redis.exceptions.NoPermissionError):  # reaping is the workers' job
+        RequestQueue(producer, queue_name).reap()
+    with pytest.raises(redis.exceptions.NoPermissionError):  # so is the heartbeat
+        RequestQueue(producer, queue_name).renew("fake-worker", [])
+    producer.close()
+    worker.close()
