@@ -50,11 +50,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def private_redis() -> Iterator[str]:
-    """A throwaway redis-server on a free port (no AOF, no RDB); yields its URL."""
+def private_redis(*extra: str) -> Iterator[str]:
+    """A throwaway redis-server on a free port (no AOF, no RDB; ``extra``: more options);
+    yields its URL."""
     port, folder = free_port(), tempfile.mkdtemp(prefix="batchery-bench-")
     proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", folder, "--save", "", "--appendonly", "no"],
+                             "--dir", folder, "--save", "", "--appendonly", "no", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port)
     try:

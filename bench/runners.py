@@ -24,3 +24,13 @@ def fixed_cost() -> Any:
         return [None] * len(inputs)
     run.tokens = lambda value: 1  # type: ignore[attr-defined]
     return run
+
+
+def vector384() -> Any:
+    """Returns 384 floats per input, the size of a MiniLM embedding: what results cost."""
+    import random
+
+    def run(inputs: list[Any]) -> list[Any]:
+        return [[random.uniform(-0.2, 0.2) for _ in range(384)] for _ in inputs]
+    run.tokens = lambda value: 1  # type: ignore[attr-defined]
+    return run
