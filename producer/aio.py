@@ -42,7 +42,7 @@ class AsyncHandle:
                 found = (await self._client.lookup([self.id]))[0]
                 if isinstance(found, Result):
                     if self._client.replies.deliver(found):
-                        await self._client.replies.delivered([found.id])
+                        await self._client.replies.delivered([found])
                     return found
                 if not found:  # its reply may have been delivered as we looked
                     if self._future.done():
@@ -144,7 +144,7 @@ class AsyncClient:
                 for request_id, found in zip(ids, await self.lookup(ids)):
                     if isinstance(found, Result):
                         if self.replies.deliver(found):
-                            delivered.append(request_id)
+                            delivered.append(found)
                     elif not found:
                         gone.append(request_id)
                 await self.replies.delivered(delivered)

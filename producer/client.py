@@ -93,7 +93,7 @@ class Handle:
                 found = self._client.queue.lookup([self.id])[0]
                 if isinstance(found, Result):
                     if self._client.replies.deliver(found):
-                        self._client.replies.delivered([found.id])
+                        self._client.replies.delivered([found])
                     return found
                 if not found:  # its reply may have been delivered as we looked
                     if self._future.done():
@@ -253,7 +253,7 @@ class Client:
             for request_id, found in zip(chunk, self.queue.lookup(chunk)):
                 if isinstance(found, Result):
                     if self.replies.deliver(found):
-                        delivered.append(request_id)
+                        delivered.append(found)
                 elif not found:
                     gone.append(request_id)
         self.replies.delivered(delivered)

@@ -24,7 +24,8 @@ from rq import Retry, get_current_job
 from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 
-from batchery.batching.messages import CANCELLED as CANCELLED_RESULT, OK, Request, Result
+from batchery.batching.messages import CANCELLED as CANCELLED_RESULT, DEAD as DEAD_RESULT
+from batchery.batching.messages import OK, Request, Result
 from batchery.batching.queue import RequestQueue
 from batchery.connection import text_client
 from batchery.errors import InvalidRequest, QueueFull
@@ -260,7 +261,8 @@ class JobRun:
         if result.status == CANCELLED_RESULT and self._cancelled():
             return  # withdrawn by `batchery cancel`: the line did not run
         self.files.result(line, result)
-        self.written.append(result.id)
+        if result.status != DEAD_RESULT:  # dead letters stay for `batchery dead list`
+            self.written.append(result.id)
         if result.status == OK:
             self.progress.ok += 1
         else:

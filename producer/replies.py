@@ -3,8 +3,9 @@
 Each client owns one list (``Keys.reply(client_id)``); a single reader pops results in
 bulk and resolves the futures of the handles waiting on them. A result nobody waits
 for any more (its handle was dropped) is not kept: it stays readable under its key.
-Results that reached a waiter are handed to ``on_delivered`` (the client deletes them
-from Redis: QueueSettings.delete_delivered).
+The ids of results that reached a waiter are handed to ``on_delivered`` (the client
+deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
+stay for ``batchery dead list``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import redis
 
-from batchery.batching.messages import Result
+from batchery.batching.messages import DEAD, Result
 
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
@@ -84,8 +85,9 @@ class ReplyListener:
             return True
         return sink is not None
 
-    def delivered(self, ids: list[str]) -> None:
+    def delivered(self, results: list[Result]) -> None:
         """Tell the owner these results reached their waiters (it may delete them)."""
+        ids = [r.id for r in results if r.status != DEAD]
         if ids and self._on_delivered is not None:
             try:
                 self._on_delivered(ids)
@@ -101,7 +103,7 @@ class ReplyListener:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                self.delivered([r.id for r in map(Result.from_json, self._pop()) if self.deliver(r)])
+                self.delivered([r for r in map(Result.from_json, self._pop()) if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
@@ -143,7 +145,8 @@ class AsyncReplyListener:
             return True
         return False
 
-    async def delivered(self, ids: list[str]) -> None:
+    async def delivered(self, results: list[Result]) -> None:
+        ids = [r.id for r in results if r.status != DEAD]
         if ids and self._on_delivered is not None:
             try:
                 await self._on_delivered(ids)
@@ -169,7 +172,7 @@ class AsyncReplyListener:
                 if first:
                     rest = await self._client.lpop(self._key, DRAIN) or []
                     results = [Result.from_json(raw) for raw in [first[1], *rest]]
-                    await self.delivered([r.id for r in results if self.deliver(r)])
+                    await self.delivered([r for r in results if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)

@@ -166,6 +166,7 @@ def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_
     try:
         with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name,
                                                                         runners.slow):
+            client.queue.update_settings(delete_delivered=False)  # read it again below
             handle = client.enqueue("slow one")
             wait_for(lambda: client.queue.stats()["inflight"] == 1, 10)
             assert handle.cancel() is True
