@@ -45,7 +45,7 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
     server = RedisServer("--appendonly", "yes", "--appendfsync", "always")
     proxy = FaultyProxy(server.port, drop_reply=0.03, cut_command=0.03, delay_s=0.002)
     raw = redis.Redis(port=server.port, decode_responses=True)  # the referee: no faults
-    RequestQueue(raw, queue_name).update_settings(lease_seconds=2, max_attempts=50)
+    RequestQueue(raw, queue_name).update_settings(lease_seconds=2)
     logs = [tmp_path / f"worker{i}.log" for i in range(3)]
     workers = [worker(proxy.url, queue_name, logs[0]), worker(proxy.url, queue_name, logs[1])]
     producer = RequestQueue(RedisSettings.from_url(proxy.url).client(), queue_name)
@@ -119,7 +119,8 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
     print(f"\nchaos: {N} requests (and {len(mapped)} through Client.map) in {seconds:.1f}s: "
           f"{N - len(lost)} results, {len(lost)} lost, {len(wrong)} wrong, {len(duplicated)} "
           f"committed twice, {len(uncommitted)} without a commit, pending {stats['pending']}, "
-          f"in flight {stats['inflight']}, dead {stats['dead']}; faults: {dict(proxy.faults)}, "
+          f"in flight {stats['inflight']}, dead {stats['dead']}, run more than once (a lease "
+          f"lost) {sum(r.attempts > 1 for r in results if r)}; faults: {dict(proxy.faults)}, "
           f"enqueue calls retried {enqueue_retries}; {'; '.join(events)}")
     assert len(events) == 2, events
     assert not lost and not wrong and not duplicated and not uncommitted
