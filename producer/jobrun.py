@@ -269,12 +269,23 @@ class JobRun:
             self.progress.error += 1
 
     def _poll(self) -> None:
-        """Read results directly: an earlier run's requests, or all when replies went quiet."""
+        """Read results directly: an earlier run's requests, or all when replies went quiet.
+        A request Redis has no trace of (lost in a crash) is enqueued again."""
         ids = list(self.pending if self._quiet else self.orphans)
+        lost: list[Line] = []
         for start in range(0, len(ids), ENQUEUE_CHUNK):
-            for found in self.queue.results(ids[start:start + ENQUEUE_CHUNK]):
-                if found is not None:
+            chunk = ids[start:start + ENQUEUE_CHUNK]
+            for request_id, found in zip(chunk, self.queue.lookup(chunk)):
+                if isinstance(found, Result):
                     self.replies.deliver(found)
+                elif not found and request_id in self.pending:  # not written meanwhile
+                    lost.append(self.pending.pop(request_id))
+                    self.replies.forget(request_id)
+                    self.orphans.discard(request_id)
+        if lost:
+            log.warning("job %s: Redis lost %d queued request(s); enqueueing them again",
+                        self.job.id, len(lost))
+            self.held[:0] = lost
         self._quiet = True
         self._next_poll = time.monotonic() + POLL_S
 

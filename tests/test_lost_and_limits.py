@@ -7,12 +7,13 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from batchery import AsyncClient, Client
 from batchery.errors import RequestLost
-from tests.conftest import RedisServer, run_cli, wait_for
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 
 
 @pytest.mark.parametrize("args, message", [
@@ -97,3 +98,35 @@ def test_a_deleted_request_state_is_noticed_by_a_waiting_handle(redis_url: str,
         client.queue.client.zrem(k.pending, handle.id)
         with pytest.raises(RequestLost):
             handle.result(timeout=10)
+
+
+def test_an_offline_job_enqueues_again_what_redis_lost(redis_url: str, queue_name: str,
+                                                       tmp_path: Path) -> None:
+    from tests.jobs_helpers import (read_jsonl, requests, start_jobs_worker, status, submit,
+                                    wait_state, write_lines)
+    source = write_lines(tmp_path / "in.jsonl", requests(50))
+    output = tmp_path / "out.jsonl"
+    jobs_queue = f"jobs-{queue_name}"
+    jobs_worker = start_jobs_worker(redis_url, jobs_queue, log=tmp_path / "jobs.log")
+    worker = None
+    try:
+        job = submit(redis_url, jobs_queue, queue_name, source, output)
+        wait_for(lambda: status(redis_url, job)["pending"] == 50, 60, message="50 queued")
+        with Client(redis_url, queue_name) as client:  # Redis loses 10 of them
+            k, raw = client.queue.keys, client.queue.client
+            lost = [f"{job}:r{i}" for i in range(10)]
+            raw.hdel(k.requests, *lost)
+            raw.hdel(k.sched, *lost)
+            raw.zrem(k.pending, *lost)
+            raw.hincrby(k.depth, "batch", -10)
+        worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                              log=tmp_path / "worker.log")
+        wait_state(redis_url, job, "finished", timeout=60)
+    finally:
+        stop_process(jobs_worker)
+        if worker is not None:
+            stop_process(worker)
+    written = read_jsonl(output)
+    assert sorted(r["custom_id"] for r in written) == sorted(f"r{i}" for i in range(50))
+    assert {r["status"] for r in written} == {"ok"}
+    assert "Redis lost 10 queued request(s); enqueueing them again" in (tmp_path / "jobs.log").read_text()
