@@ -1,7 +1,7 @@
 """The ``batchery`` command: a click group; producers' and workers' commands plug in.
 
 Errors a user can act on print one line on stderr and exit with their code (2 bad
-input, 3 queue full, 4 job not found, 5 timeout); never a traceback.
+input, 3 queue full, 4 job not found, 5 timeout, 6 request lost); never a traceback.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ class BatcheryGroup(click.Group):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             click.echo(f"error: cannot reach Redis ({exc}); is it running, and is "
                        f"--redis-url / {ENV_REDIS_URL} right?", err=True)
+            sys.exit(EXIT_REDIS)
+        except redis.exceptions.NoPermissionError as exc:
+            click.echo(f"error: Redis refused a command to this user ({exc}); give the ACL "
+                       "user the rights README's 'Least privilege' lists for this role",
+                       err=True)
+            sys.exit(EXIT_REDIS)
+        except redis.OutOfMemoryError as exc:
+            click.echo(f"error: Redis is out of memory ({exc}); free some or raise its "
+                       "maxmemory", err=True)
             sys.exit(EXIT_REDIS)
 
 

@@ -11,7 +11,8 @@ import redis
 
 from batchery import Client
 from batchery.batching.queue import RequestQueue
-from tests.conftest import RedisServer, newest_redis_server, start_worker, stop_process, wait_for
+from tests.conftest import (RedisServer, newest_redis_server, run_cli, start_worker,
+                            stop_process, wait_for)
 
 # The README's "Least privilege" section, verbatim.
 PRODUCER_ACL = (
@@ -90,3 +91,14 @@ def test_what_each_user_may_not_do(acl_redis: RedisServer, queue_name: str) -> N
         RequestQueue(producer, queue_name).renew("fake-worker", [])
     producer.close()
     worker.close()
+
+
+def test_a_worker_without_the_rights_stops_with_a_clear_error(acl_redis: RedisServer,
+                                                              queue_name: str) -> None:
+    """Run as the producer user, a worker meets NOPERM at its first heartbeat: a permanent
+    error, so it stops at once with the reason instead of retrying for minutes."""
+    done = run_cli("worker", "--queue", queue_name, "--runner", "tests.runners:echo", "--burst",
+                   redis_url=url(acl_redis, "producer"), timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "Redis refused a command to this user" in done.stderr
+    assert "Traceback" not in done.stderr

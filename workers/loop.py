@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from batchery.batching.queue import RequestQueue
-from batchery.connection import RedisSettings, retryable
+from batchery.connection import RedisSettings, transient
 from batchery.workers.claiming import DONE, Claimer
 from batchery.workers.execution import BatchCap, Executor
 from batchery.workers.leases import Heartbeat, Leases
@@ -132,12 +132,13 @@ class Worker:
 
 
 def _retrying(action: Any, attempts: int = 30) -> Any:
-    """Run a Redis action through a restart: the client's own retries, then ours."""
+    """Run a Redis action through a restart: the client's own retries, then ours. An
+    error Redis will repeat (no permission, out of memory) is raised at once."""
     for attempt in range(attempts):
         try:
             return action()
         except redis.RedisError as exc:
-            if attempt == attempts - 1 or not retryable(exc):
+            if attempt == attempts - 1 or not transient(exc):
                 raise
             log.warning("Redis unavailable (%s); retrying", exc)
             threading.Event().wait(min(5.0, 0.2 * 2 ** attempt))
