@@ -140,6 +140,11 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
 @click.option("--delete-delivered/--keep-delivered", default=None, help="Delete a result once "
               "it reached the client waiting for it or a job's output file (the default), or "
               "keep it for result_ttl.")
+@click.option("--tokenizer", metavar="NAME_OR_DIR", help="Tokenizer producers count tokens "
+              "with (a hub id in their cache or a directory), set before any worker announces "
+              "its own; workers do not overwrite it.")
+@click.option("--max-input-tokens", type=int, help="Length the workers' model truncates inputs "
+              "to; producers cap their counts at it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the settings as JSON.")
 @redis_options
 def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,

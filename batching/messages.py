@@ -37,16 +37,17 @@ class Request:
     input: Any
     priority: str = "normal"   # class name, or an integer: its delay in seconds
     deadline: float | None = None  # seconds from now; past it the request is expired
-    tokens: int | None = None  # cost in tokens; counted or estimated when None
+    tokens: int | None = None  # cost in tokens; None: estimated, and workers count it exactly
     meta: dict[str, Any] | None = None
 
     @classmethod
     def validated(cls, id: Any, input: Any, priority: Any = "normal", deadline: Any = None,
                   tokens: Any = None, meta: Any = None,
-                  count: Callable[[Any], int] | None = None) -> "Request":
+                  count: Callable[[Any], int | None] | None = None) -> "Request":
         """Build a request, raising InvalidRequest with the reason when a field is wrong.
 
-        ``count`` prices the input in tokens when ``tokens`` is None.
+        ``count`` prices the input in tokens when ``tokens`` is None (None: it cannot
+        count exactly, so the request is priced by estimate until a worker counts it).
         """
         request_id, priority, deadline = check_id(id), check_priority(priority), check_deadline(deadline)
         tokens, meta = check_tokens(tokens), check_meta(meta)
@@ -122,7 +123,8 @@ def estimate_tokens(value: Any) -> int:
     """A tokenizer-free guess of a request's cost: about 4 characters per token.
 
     Counts the text inside the input (strings in lists and objects too), plus 2 for
-    the special tokens a model adds. Workers recount exactly before running.
+    the special tokens a model adds. Such a request is marked as estimated in Redis; a
+    worker that can count writes the exact count before any batch is chosen.
     """
     return 2 + _text_length(value) // 4
 
@@ -199,6 +201,6 @@ class Claimed:
         except ValueError as exc:
             body, invalid = None, f"its stored request is not JSON ({exc})"
         body = body if isinstance(body, dict) else {}
-        return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens),
+        return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
                    enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
                    attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank))

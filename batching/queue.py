@@ -38,6 +38,8 @@ class ClaimReply:
     wait_ms: int                                  # > 0: held back; -1: nothing pending
     expired: list[Claimed] = field(default_factory=list)
     batch: list[Claimed] = field(default_factory=list)
+    # candidates priced by estimate, (id, input): count and reprice them, then claim again
+    to_price: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class RequestQueue:
@@ -112,16 +114,37 @@ class RequestQueue:
         self.client.hset(self.keys.settings, mapping=new.to_redis())
         return new
 
+    def announce_tokenizer(self, tokenizer: str, max_input_tokens: int) -> QueueSettings:
+        """Tell producers how the workers count tokens, where nobody has yet: a tokenizer
+        an operator (or an earlier worker) set stays. The settings after."""
+        current = self.settings()
+        fill = {"tokenizer": tokenizer} if not current.tokenizer else {}
+        if not current.max_input_tokens and max_input_tokens:
+            fill["max_input_tokens"] = str(max_input_tokens)
+        if fill:
+            self.client.hset(self.keys.settings, mapping=fill)
+        return self.settings()
+
     # -- workers -----------------------------------------------------------------------
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
-              lookahead: int) -> ClaimReply:
+              lookahead: int, price_estimates: bool = False) -> ClaimReply:
+        """Lease the next batch. ``price_estimates``: this worker counts tokens exactly, so
+        when candidates are priced by estimate nothing is leased and ``to_price`` lists
+        them: count them, :meth:`reprice`, claim again."""
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
              k.settings, k.depth],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
-             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds])
+             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates)])
         return parse_claim(reply, token)
+
+    def reprice(self, counts: Sequence[tuple[str, int]]) -> int:
+        """Write exact token counts of requests priced by estimate; how many were still so."""
+        if not counts:
+            return 0
+        args = [v for pair in counts for v in pair]
+        return int(self.scripts.reprice([self.keys.sched], args))
 
     def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int]) -> list[bool]:
         """Commit (id, lease token, result JSON) items; False where the lease was lost."""
@@ -231,7 +254,7 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
                        delays, client_id, DEFAULTS.memory_high_water]
     for r in requests:
-        tokens = r.tokens if r.tokens is not None else estimate_tokens(r.input)
+        tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
         deadline_ms = int(r.deadline * 1000) if r.deadline else 0
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
@@ -290,6 +313,10 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
 
 def parse_claim(reply: list[Any], token: str) -> ClaimReply:
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
+    if wait_ms == -2:
+        n = (len(reply) - 3) // 2
+        return ClaimReply(now_ms, 0, to_price=[(i, Claimed.decode(i, p, "0:0:0:0::", None, token).input)
+                                               for i, p in zip(reply[3:3 + n], reply[3 + n:])])
     n = (len(reply) - 3) // 4
     ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]
     scheds, failures = reply[3 + 2 * n:3 + 3 * n], reply[3 + 3 * n:3 + 4 * n]

@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Any
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup")
+         "lookup", "reprice")
 
 
 @lru_cache(maxsize=None)
@@ -38,3 +38,4 @@ class Scripts:
     purge: Any
     release: Any
     lookup: Any
+    reprice: Any

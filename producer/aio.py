@@ -82,6 +82,9 @@ class AsyncClient:
         self.replies = AsyncReplyListener(self._conn, self.keys.reply(self.client_id),
                                           self._forget_delivered)
         await self._conn.sadd(QUEUES, self.keys.queue)  # listed for `batchery stats`
+        await self._load_settings()
+
+    async def _load_settings(self) -> None:
         settings = QueueSettings.from_redis(await self._conn.hgetall(self.keys.settings))
         self._delete_delivered = settings.delete_delivered
         self._count = await asyncio.to_thread(TokenCounter, settings.tokenizer,
@@ -104,6 +107,8 @@ class AsyncClient:
                                           "id": id, "tokens": tokens, "meta": meta}]))[0]
 
     async def enqueue_many(self, requests: Iterable[Mapping[str, Any]]) -> list[AsyncHandle]:
+        if self._count is not None and self._count.stale:  # workers may have announced one
+            await self._load_settings()
         batch = [self.request(r) for r in requests]
         if not batch:
             return []

@@ -18,7 +18,7 @@ from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import InvalidRequest, RequestLost, ResultTimeout
 from batchery.producer.replies import ReplyListener
-from batchery.producer.tokens import TokenCounter
+from batchery.producer.tokens import QueueCounter
 
 POLL_S = 1.0          # a waiter also reads the result key this often (covers lost replies)
 ENQUEUE_CHUNK = 500   # requests per enqueue call in map/stream: one Lua call each
@@ -39,7 +39,7 @@ class RequestIds:
 
 
 def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
-                 count: Callable[[Any], int]) -> Request:
+                 count: Callable[[Any], int | None]) -> Request:
     """A validated Request from a dict of REQUEST_FIELDS; raises InvalidRequest."""
     if not isinstance(fields, abc.Mapping):  # collections.abc: typing's isinstance is slow
         raise InvalidRequest(f"a request must be an object, got {type(fields).__name__}")
@@ -127,7 +127,7 @@ class Client:
                                      self._forget_delivered)
         self._delete_delivered: bool | None = None
         self._new_id = RequestIds()
-        self._count: TokenCounter | None = None
+        self._count = QueueCounter(self.queue.settings)
         self._registered = False
 
     def __enter__(self) -> "Client":
@@ -176,10 +176,8 @@ class Client:
         if self._delete_delivered:
             self.queue.forget_results(ids)
 
-    def counter(self, value: Any) -> int:
-        if self._count is None:
-            settings = self.queue.settings()
-            self._count = TokenCounter(settings.tokenizer, settings.max_input_tokens)
+    def counter(self, value: Any) -> int | None:
+        """Exact tokens of ``value`` with the queue's tokenizer; None: estimated."""
         return self._count(value)
 
     def handle(self, request_id: str) -> Handle:

@@ -94,7 +94,7 @@ class LineParser:
     """Turns input lines into Lines (with namespaced request ids) or Invalids."""
 
     def __init__(self, job_id: str, priority: str | int, settings: QueueSettings,
-                 count: Callable[[Any], int]) -> None:
+                 count: Callable[[Any], int | None]) -> None:
         self.job_id, self.priority, self.settings, self.count = job_id, priority, settings, count
         self.max_id = MAX_ID_LENGTH - len(job_id) - 1
         self.seen = IdSet()

@@ -35,7 +35,7 @@ from batchery.producer.jobfile import (Invalid, JobFiles, Line, LineParser, Line
 from batchery.producer.jobs import (CANCELLED, COUNTING, FINALIZING, FINISHED, RUNNING, STOPPED,
                                     JobSpec, Progress)
 from batchery.producer.replies import ReplyListener
-from batchery.producer.tokens import TokenCounter
+from batchery.producer.tokens import QueueCounter
 
 log = logging.getLogger(__name__)
 CHECK_S = 0.5       # progress saved, cancellation and shutdown checked this often
@@ -99,8 +99,8 @@ class JobRun:
                 self.progress.total = count_lines(Path(self.spec.input), line_limit(settings))
                 self._publish(RUNNING)
                 self.queue.register()
-                counter = TokenCounter(settings.tokenizer, settings.max_input_tokens)
-                parser = LineParser(self.job.id, self.spec.priority, settings, counter)
+                parser = LineParser(self.job.id, self.spec.priority, settings,
+                                    QueueCounter(self.queue.settings))
                 phase = self._stream(parser, written.lines)
                 if phase == FINISHED:
                     self._publish(FINALIZING)

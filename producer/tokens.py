@@ -1,19 +1,22 @@
 """How a producer prices a request in tokens before a worker sees it.
 
-With the queue's tokenizer (announced by its workers) installed here, the count is
-exact; otherwise it is estimated from the input's length. Either way it is capped at
-the length the workers truncate to, and workers recount exactly before running.
+With the queue's tokenizer (announced by its workers, or set by an operator) installed
+here, the count is exact and capped at the length the workers truncate to. Otherwise
+the counter answers None: the request is stored priced by estimate, marked so, and a
+worker counts it exactly before any batch is chosen. A counter without a tokenizer
+asks again after REFRESH_S, so a producer started before its workers starts counting
+as soon as they announce one.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from functools import lru_cache
 from typing import Any, Callable
 
-from batchery.batching.messages import estimate_tokens
-
 log = logging.getLogger(__name__)
+REFRESH_S = 5.0  # how often a counter without a tokenizer asks the queue for one again
 
 
 def input_text(value: Any) -> str | None:
@@ -31,12 +34,18 @@ class TokenCounter:
     def __init__(self, tokenizer: str = "", max_tokens: int = 0) -> None:
         self._max = max_tokens or None
         self._encode = _load(tokenizer, max_tokens) if tokenizer else None
+        self._made = time.monotonic()
 
-    def __call__(self, value: Any) -> int:
+    def __call__(self, value: Any) -> int | None:
+        """The exact count, or None when only an estimate is possible here."""
         text = input_text(value) if self._encode else None
         count = self._exact(text) if text is not None else None
-        count = estimate_tokens(value) if count is None else count
-        return min(count, self._max) if self._max else count
+        return min(count, self._max) if count is not None and self._max else count
+
+    @property
+    def stale(self) -> bool:
+        """True when it cannot count exactly and should ask the queue again."""
+        return self._encode is None and time.monotonic() - self._made > REFRESH_S
 
     def _exact(self, text: str) -> int | None:
         try:
@@ -55,3 +64,17 @@ def _load(name: str, max_tokens: int) -> Callable[[str], list[int]] | None:
         return None
     limit = max_tokens or tokenizer.model_max_length
     return lambda text: tokenizer(text, truncation=True, max_length=limit)["input_ids"]
+
+
+class QueueCounter:
+    """A TokenCounter for a queue's tokenizer, asked for again while there is none."""
+
+    def __init__(self, read_settings: Callable[[], Any]) -> None:
+        self._read = read_settings
+        self._count: TokenCounter | None = None
+
+    def __call__(self, value: Any) -> int | None:
+        if self._count is None or self._count.stale:
+            settings = self._read()
+            self._count = TokenCounter(settings.tokenizer, settings.max_input_tokens)
+        return self._count(value)

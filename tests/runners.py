@@ -63,3 +63,11 @@ def timed() -> Any:
                "torch_threads": torch.get_num_threads()}
         return [dict(ran, input=v) for v in inputs]
     return run
+
+
+def which_gpu() -> Any:
+    """Notes the GPUs its process may see (a file per process under $PIN_DIR)."""
+    pins = os.environ["PIN_DIR"]
+    with open(os.path.join(pins, str(os.getpid())), "w") as out:
+        out.write(os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
+    return echo()

@@ -169,3 +169,26 @@ def test_stored_garbage_becomes_an_error_not_a_crash(queue: RequestQueue) -> Non
     queue.client.hset(queue.keys.requests, "r0", b"\xff\xfe not json")
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
     assert claimed[0].invalid and claimed[1].invalid is None and claimed[1].input == "b"
+
+
+def test_estimated_requests_are_handed_to_a_counting_worker_then_claimed_on_exact_counts(
+        queue: RequestQueue) -> None:
+    queue.enqueue(requests("x" * 400, "y" * 40))            # estimated: ~102 and ~12
+    queue.enqueue([Request.validated(id="exact", input="z", tokens=7)])
+    sched = queue.client.hgetall(queue.keys.sched)
+    assert (sched["r0"].split(":")[0], sched["exact"].split(":")[0]) == ("~102", "7")
+    # a counting worker is handed the estimated candidates first, and nothing is leased
+    reply = queue.claim("w#1", 10, 10_000, 0, 10, price_estimates=True)
+    assert reply.batch == [] and queue.stats()["inflight"] == 0
+    assert reply.to_price == [("r0", "x" * 400), ("r1", "y" * 40)]
+    assert queue.reprice([("r0", 3), ("r1", 5)]) == 2
+    assert queue.reprice([("r0", 99), ("exact", 99)]) == 0  # a replay, or an exact one: kept
+    assert queue.reprice([("r1", "0"), ("r1", "5:0")]) == 0  # not a count: ignored
+    claimed = queue.claim("w#2", 10, 10_000, 0, 10, price_estimates=True).batch
+    assert {r.id: r.tokens for r in claimed} == {"r0": 3, "r1": 5, "exact": 7}
+
+
+def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
+    queue.enqueue(requests("x" * 400))
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert [(r.id, r.tokens) for r in claimed] == [("r0", 102)]

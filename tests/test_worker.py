@@ -11,6 +11,7 @@ from typing import Any
 
 from batchery import Client
 from batchery.connection import RedisSettings
+from batchery.producer import tokens
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
@@ -34,6 +35,9 @@ class Recording(Runner):
     def run(self, data: Any) -> list[Any]:
         self.calls.append(("run", list(data)))
         return [len(str(v).split()) for v in data]
+
+    def count_tokens(self, inputs: list[Any]) -> list[int | None]:
+        return [len(str(v).split()) for v in inputs]
 
 
 def test_warm_up_runs_before_the_first_claim(redis_url: str, queue_name: str) -> None:
@@ -64,19 +68,54 @@ def test_an_underestimated_batch_is_split_to_fit_the_exact_token_budget(redis_ur
     assert len(runs) == 2  # one claim of 6, run as [x y z w] and [long long]
 
 
-def test_producers_count_with_the_queue_tokenizer_when_announced(redis_url: str, queue_name: str) -> None:
+def test_producers_count_with_the_queue_tokenizer_once_it_appears(redis_url: str, queue_name: str,
+                                                                 monkeypatch: Any) -> None:
+    monkeypatch.setattr(tokens, "REFRESH_S", 0.2)
     text = "Return the absolute value of the argument."
     with Client(redis_url, queue_name) as client:
-        estimated = client.enqueue(text, id="before")
-    with Client(redis_url, queue_name) as client:
-        client.queue.update_settings(tokenizer=resolve_model("minilm"), max_input_tokens=256)
+        client.enqueue(text, id="before")  # no tokenizer known yet: priced by estimate
+        run_cli("queue", "config", queue_name, "--tokenizer", resolve_model("minilm"),
+                "--max-input-tokens", "256", redis_url=redis_url)
+        # the same client asks again while it has no tokenizer
+        wait_for(lambda: client.counter(text) is not None, 5, "the client to load the tokenizer")
         client.enqueue(text, id="after")
         client.enqueue(" ".join(["word"] * 600), id="long")
         sched = client.queue.client.hmget(client.queue.keys.sched, ["before", "after", "long"])
-    counts = [int(s.split(":")[0]) for s in sched]
-    assert estimated.id == "before" and counts[0] == 2 + len(text) // 4
-    assert counts[1] == 10  # [CLS] + 8 word pieces + [SEP]
-    assert counts[2] == 256  # capped at what the workers truncate to
+    counts = [s.split(":")[0] for s in sched]
+    assert counts[0] == f"~{2 + len(text) // 4}"  # marked: a worker counts it before claiming
+    assert counts[1] == "10"  # [CLS] + 8 word pieces + [SEP]
+    assert counts[2] == "256"  # capped at what the workers truncate to
+
+
+def test_a_worker_prices_estimated_requests_exactly_before_choosing_a_batch(
+        redis_url: str, queue_name: str) -> None:
+    short_words = " ".join("abcdefghijklmnop")    # 16 words, estimated at 9 tokens
+    long_words = " ".join(["internationalization"] * 16)  # 16 words, estimated at 85
+    two_words = " ".join(["internationalization"] * 2)    # 2 words, estimated at 12
+    runner = Recording()
+    with Client(redis_url, queue_name) as client:
+        handles = client.enqueue_many([{"input": t} for t in (short_words, two_words, long_words)])
+        Worker(RedisSettings.from_url(redis_url), runner,
+               WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_size=2)
+               ).run(burst=True, handle_signals=False)
+        assert {h.result(timeout=5).status for h in handles} == {"ok"}
+    claims = [inputs for kind, inputs in runner.calls[2:] if kind == "prepare"]
+    # on the estimates the head (9) would pair with the two long words (12); on the
+    # worker's exact counts it pairs with its equal (16 and 16)
+    assert claims == [[short_words, long_words], [two_words]]
+
+
+def test_an_operator_set_tokenizer_is_not_overwritten_by_a_worker(redis_url: str,
+                                                                   queue_name: str) -> None:
+    run_cli("queue", "config", queue_name, "--tokenizer", "org/their-tokenizer",
+            redis_url=redis_url)
+    runner = Recording()
+    runner.tokenizer, runner.max_input_tokens = "org/model-dir", 128
+    Worker(RedisSettings.from_url(redis_url), runner,
+           WorkerOptions(queue=queue_name)).run(burst=True, handle_signals=False)
+    settings = json.loads(run_cli("queue", "config", queue_name, "--json",
+                                  redis_url=redis_url).stdout)
+    assert (settings["tokenizer"], settings["max_input_tokens"]) == ("org/their-tokenizer", 128)
 
 
 def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue_name: str,
@@ -103,6 +142,20 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
     finally:
         assert stop_process(parent, signal.SIGTERM) == 0
     wait_for(lambda: live_workers() == 0, 10, interval=0.3, message="no live workers")
+
+
+def test_concurrency_spreads_its_processes_over_the_gpus(redis_url: str, queue_name: str,
+                                                         tmp_path: Path) -> None:
+    parent = start_worker(redis_url, queue_name, "--runner", "tests.runners:which_gpu",
+                          "--concurrency", "3", log=tmp_path / "pool.log",
+                          CUDA_VISIBLE_DEVICES="3,5", PIN_DIR=str(tmp_path))
+    try:
+        def pins() -> list[str]:
+            return sorted(p.read_text() for p in tmp_path.iterdir() if p.name.isdigit())
+        wait_for(lambda: len(pins()) == 3, 60, interval=0.2, message="three worker processes")
+        assert pins() == ["3", "3", "5"]  # child i on GPU i mod 2 of those it may use
+    finally:
+        assert stop_process(parent, signal.SIGTERM) == 0
 
 
 def test_parallel_batches_share_one_model_and_stop_cleanly(redis_url: str, queue_name: str,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 
-from batchery.batching.messages import Claimed
+from batchery.batching.messages import Claimed, estimate_tokens
 from batchery.batching.queue import ClaimReply, RequestQueue
 from batchery.workers import metrics
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
@@ -20,6 +20,7 @@ from batchery.workers.runners import Runner
 log = logging.getLogger(__name__)
 DONE = None  # put on the batch queue when a burst worker has drained its queue
 RETRY_CAP_S = 5.0
+PRICING_ROUNDS = 3
 
 
 class Claimer(threading.Thread):
@@ -36,6 +37,8 @@ class Claimer(threading.Thread):
         self.batches: queue.Queue[tuple[Batch | None, bool]] = queue.Queue()
         self.slots = threading.Semaphore(options.prefetch)  # one per claim not yet running
         self._claims = 0
+        # a runner that counts tokens exactly prices what producers could only estimate
+        self.counts = getattr(runner, "count_tokens", lambda _: None)(["a"]) is not None
 
     def take(self, timeout: float) -> Batch | None:
         """The next batch for the model; raises queue.Empty after ``timeout``.
@@ -109,8 +112,7 @@ class Claimer(threading.Thread):
         # read before the claim: the writer drops a lease only after its retry is scheduled,
         # so none held then and nothing pending nor delayed now means the burst is over
         held_before = len(self.leases)
-        reply = self.queue.claim(token, self.cap.apply(o.max_batch_size), o.max_batch_tokens,
-                                 o.max_wait_ms, o.claim_lookahead)
+        reply = self._claim(token)
         self.leases.add(reply.expired + reply.batch)
         invalid = [r for r in reply.batch if r.invalid]
         if reply.expired or invalid:
@@ -129,6 +131,31 @@ class Claimer(threading.Thread):
             return None
         self._idle(reply)
         return []
+
+    def _claim(self, token: str) -> ClaimReply:
+        """Claim on exact counts: candidates a producer priced by estimate are counted
+        with this runner's tokenizer and written back first (a few rounds at most: new
+        estimated requests can enter the lookahead between two calls)."""
+        o = self.options
+        for round_ in range(PRICING_ROUNDS + 1):
+            reply = self.queue.claim(token, self.cap.apply(o.max_batch_size), o.max_batch_tokens,
+                                     o.max_wait_ms, o.claim_lookahead,
+                                     price_estimates=self.counts and round_ < PRICING_ROUNDS)
+            if not reply.to_price:
+                return reply
+            self._reprice(reply.to_price)
+        return reply
+
+    def _reprice(self, candidates: list[tuple[str, Any]]) -> None:
+        inputs = [value for _, value in candidates]
+        try:
+            counts = self.runner.count_tokens(inputs) or [None] * len(inputs)
+        except Exception as exc:  # a tokenizer bug must not stop claiming: keep estimates
+            log.warning("could not count tokens (%s); keeping the producers' estimates", exc)
+            counts = [None] * len(inputs)
+        # an input that cannot run keeps its estimate, unmarked: it fails when it runs
+        exact = [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
+        metrics.REPRICED.inc(self.queue.reprice(exact))
 
     def _idle(self, reply: ClaimReply) -> None:
         """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""

@@ -6,11 +6,12 @@ import gc
 import logging
 import os
 
-
 import click
 
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,9 @@ log = logging.getLogger(__name__)
               "a callable over a list of inputs.")
 @click.option("--device", default="auto", show_default=True, envvar="BATCHERY_DEVICE",
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
-@click.option("--max-batch-size", default=64, show_default=True, type=int)
+@click.option("--max-batch-size", type=int, help="Largest batch claimed (default: timed at "
+              "start, the smallest size within 5% of the model's best throughput; 64 for "
+              "--runner).")
 @click.option("--max-batch-tokens", default=8192, show_default=True, type=int,
               help="Padded tokens per batch (longest x size).")
 @click.option("--max-wait-ms", default=10, show_default=True, type=int,
@@ -35,18 +38,20 @@ log = logging.getLogger(__name__)
               help="Serve Prometheus metrics here (process i of --concurrency: port + i).")
 @click.option("--concurrency", default=1, show_default=True, type=int,
               help="Worker processes, each with its own model.")
-@click.option("--parallel-batches", default=1, show_default=True, type=int,
+@click.option("--parallel-batches", type=int,
               help="Batches run at once in each process, one thread each, sharing one copy "
-              "of the model. On a CPU: one per core.")
+              "of the model (default: one per core on a CPU, 1 on a GPU or with --runner).")
 @click.option("--threads", type=int, envvar="BATCHERY_TORCH_THREADS",
-              help="torch CPU threads per batch (default: torch's choice; with "
-              "--parallel-batches N, cores / N).")
+              help="torch CPU threads per batch (default: cores / parallel batches).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              envvar="BATCHERY_DTYPE", help="Model weights: auto is float16 on CUDA, "
+              "float32 elsewhere.")
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
 @click.option("--allow-download", is_flag=True, help="Let --model fetch from the hub.")
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
-           max_batch_size: int, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
-           metrics_port: int | None, concurrency: int, parallel_batches: int,
-           threads: int | None, burst: bool,
+           max_batch_size: int | None, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
+           metrics_port: int | None, concurrency: int, parallel_batches: int | None,
+           threads: int | None, dtype: str, burst: bool,
            allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Claim batches from QUEUE, run them through a model, write results back."""
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
@@ -54,18 +59,35 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
         raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
     if concurrency > 1:
         from batchery.workers.supervisor import supervise
-        raise SystemExit(supervise(concurrency, metrics_port))
+        raise SystemExit(supervise(concurrency, metrics_port, device))
     from batchery.workers.options import WorkerOptions
+    # checked before the model loads: a wrong flag fails in a second, not after a minute
+    WorkerOptions(queue=queue, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
+                  lookahead=lookahead,
+                  **{k: v for k, v in (("max_batch_size", max_batch_size),
+                                       ("parallel_batches", parallel_batches)) if v is not None})
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
+    from batchery.workers.runners import load_runner
+    model_runner = load_runner(task, model, runner, device, allow_download, dtype)
+    placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
+    if parallel_batches is None:  # one batch per core on a CPU; built-in runners are thread-safe
+        parallel_batches = _cores() if placed == "cpu" else 1
+    if threads is None and placed in ("cpu", "") and parallel_batches > 1:
+        threads = max(1, _cores() // parallel_batches)  # N teams of cores/N, not N of cores
+    _set_threads(threads)
+    from batchery.workers import metrics
+    if max_batch_size is None:
+        from batchery.workers.calibrate import pick_batch_size
+        max_batch_size, rates = pick_batch_size(model_runner, max_batch_tokens)
+        if rates:
+            log.info("batch size %d: requests/s by batch size at a typical length: %s",
+                     max_batch_size, ", ".join(f"{s}: {r:.0f}" for s, r in rates.items()))
+    metrics.MAX_BATCH_SIZE.set(max_batch_size)
     options = WorkerOptions(queue=queue, max_batch_size=max_batch_size,
                             max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
                             lookahead=lookahead, parallel_batches=parallel_batches)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
-    if threads is None and parallel_batches > 1:  # N teams of cores/N threads, not N of cores
-        threads = max(1, _cores() // parallel_batches)
-    _set_threads(threads)
-    from batchery.workers.runners import load_runner
-    model_runner = load_runner(task, model, runner, device, allow_download)
-    from batchery.workers import metrics
+    log.info("%d batch(es) at a time of up to %d requests, %s torch thread(s) each",
+             parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)
     from batchery.workers.loop import Worker
     log.info("redis %s, queue %r, %s", settings.describe(), queue, runner or f"{task} {model}")

@@ -110,10 +110,17 @@ class Worker:
         """Register the queue and tell producers how this model counts tokens."""
         def announce() -> None:
             queue_.register()
-            if self.runner.tokenizer:
-                queue_.client.hset(queue_.keys.settings, mapping={
-                    "tokenizer": self.runner.tokenizer,
-                    "max_input_tokens": self.runner.max_input_tokens})
+            tokenizer = getattr(self.runner, "tokenizer", "")
+            if not tokenizer:
+                return
+            settings = queue_.announce_tokenizer(tokenizer, self.runner.max_input_tokens)
+            if (settings.tokenizer, settings.max_input_tokens) != (tokenizer, self.runner.max_input_tokens):
+                log.warning("queue %r counts tokens with %r (max %d), set before this worker; "
+                            "this worker's model uses %r (max %d) and prices estimated requests "
+                            "with it. Change it with `batchery queue config %s --tokenizer "
+                            "... --max-input-tokens N` if it is wrong", queue_.name,
+                            settings.tokenizer, settings.max_input_tokens, tokenizer,
+                            self.runner.max_input_tokens, queue_.name)
         _retrying(announce)
 
     def _install_signals(self) -> Any:

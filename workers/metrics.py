@@ -31,6 +31,10 @@ DEAD_LETTERS = Counter("batchery_dead_letters_total", "Requests dead-lettered")
 REDIS_ERRORS = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
                        "Redis refuses, e.g. out of memory) met by the worker, by operation",
                        ["operation"])
+REPRICED = Counter("batchery_repriced_total", "Requests a producer priced by estimate, "
+                   "counted exactly by this worker before a claim")
+MAX_BATCH_SIZE = Gauge("batchery_max_batch_size", "Largest batch this worker claims: timed "
+                       "at start (workers/calibrate.py) unless --max-batch-size is given")
 OOM_BACKOFFS = Counter("batchery_oom_backoffs_total", "Batches halved after out of memory")
 
 

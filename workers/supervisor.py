@@ -1,12 +1,15 @@
 """``--concurrency N``: N worker processes under one parent.
 
 Each child is the same command with ``--concurrency 1`` (and its own metrics port);
-a child that dies is restarted with backoff; SIGTERM/SIGINT are passed on to all.
+on a machine with several GPUs child i sees only GPU i mod count (CUDA_VISIBLE_DEVICES),
+so the children spread over the GPUs instead of sharing cuda:0; a child that dies is
+restarted with backoff; SIGTERM/SIGINT are passed on to all.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -35,10 +38,38 @@ def child_argv(argv: list[str], metrics_port: int | None, index: int) -> list[st
     return out
 
 
-def supervise(n: int, metrics_port: int | None) -> int:
+def gpu_env(index: int, device: str, visible: list[str]) -> dict[str, str]:
+    """The environment of child ``index``: pinned to one of the ``visible`` GPUs when the
+    device is auto or plain cuda (a device that names a GPU, cuda:1, is the user's pin)."""
+    env = dict(os.environ)
+    if device in ("auto", "cuda") and len(visible) > 1:
+        env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)]
+    return env
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        import torch
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def supervise(n: int, metrics_port: int | None, device: str = "auto") -> int:
     """Run n children until they all exit; restart those that crash (non-zero exit)."""
     base = [sys.executable, "-m", "batchery", *sys.argv[1:]]
-    children = {i: subprocess.Popen(child_argv(base, metrics_port, i)) for i in range(n)}
+    gpus = visible_gpus() if device in ("auto", "cuda") else []
+    if len(gpus) > 1:
+        log.info("%d worker processes over %d GPUs (%s)", n, len(gpus), ",".join(gpus))
+
+    def start(i: int) -> subprocess.Popen:
+        return subprocess.Popen(child_argv(base, metrics_port, i), env=gpu_env(i, device, gpus))
+
+    children = {i: start(i) for i in range(n)}
     backoff = dict.fromkeys(children, 1.0)
     stopping = False
 
@@ -58,7 +89,7 @@ def supervise(n: int, metrics_port: int | None) -> int:
                 log.warning("worker process %d exited with %s; restarting in %.0fs", i, code, backoff[i])
                 time.sleep(backoff[i])
                 backoff[i] = min(backoff[i] * 2, RESTART_BACKOFF_CAP_S)
-                children[i] = subprocess.Popen(child_argv(base, metrics_port, i))
+                children[i] = start(i)
         if all(c.poll() == 0 for c in children.values()):
             break  # every child finished its work (burst) or was stopped
         time.sleep(0.2)

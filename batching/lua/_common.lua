@@ -23,12 +23,13 @@ local function setting(settings_key, name, default)
   return default
 end
 
--- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client"; tokens is "~N" while N
+-- is the producer's estimate (no tokenizer there), until a worker writes the exact count
 local function parse_sched(s)
-  local tokens, expire, enq, rank, class, client =
-    string.match(s, '^(%d+):(%d+):(%d+):([^:]+):([^:]*):(.*)$')
-  return {tokens = tonumber(tokens), expire = tonumber(expire), enq = tonumber(enq),
-          rank = tonumber(rank), class = class, client = client}
+  local mark, tokens, expire, enq, rank, class, client =
+    string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):(.*)$')
+  return {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
+          enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
 end
 
 local function fmt_int(x)

@@ -12,17 +12,22 @@
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from)
 -- ARGV[6] default lease_seconds
+-- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
+--         to price (see reprice.lua) before any batch is chosen; 0: choose on estimates
 -- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
 --   with n = #ids; the first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried.
+--   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
+--   estimate (scheds and attempts empty): count them, reprice, claim again.
 local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
            attempts = KEYS[5], leased = KEYS[6], owner = KEYS[7], settings = KEYS[8],
            depth = KEYS[9]}
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
+local price_estimates = ARGV[7] == '1'
 local now = now_ms()
 
 -- retries whose backoff is over go back to pending at their original rank
@@ -55,10 +60,10 @@ local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
 -- enqueue time); the taken ones are parsed whole.
-local expired, live, lengths, delays, orphans = {}, {}, {}, {}, {}
+local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
 for i, id in ipairs(ids) do
-  local tokens, expire, enq
-  if scheds[i] then tokens, expire, enq = string.match(scheds[i], '^(%d+):(%d+):(%d+):') end
+  local mark, tokens, expire, enq
+  if scheds[i] then mark, tokens, expire, enq = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+):') end
   if not tokens then
     orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
   elseif tonumber(expire) > 0 and tonumber(expire) <= now then
@@ -67,9 +72,17 @@ for i, id in ipairs(ids) do
     live[#live + 1] = i
     lengths[#live] = tonumber(tokens)
     delays[#live] = ranks[i] - tonumber(enq)
+    if mark == '~' then estimated[#estimated + 1] = id end
   end
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
+if price_estimates and #estimated > 0 then
+  local reply = {now, -2, 0}
+  for _, id in ipairs(estimated) do reply[#reply + 1] = id end
+  local payloads = rcall('HMGET', K.requests, unpack(estimated))
+  for n = 1, #estimated do reply[#reply + 1] = payloads[n] end
+  return reply
+end
 
 local batch = {}
 local wait = 0

@@ -14,7 +14,7 @@
 -- ARGV[5] client id whose reply list gets the results ('' for none)
 -- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
--- ARGV[7..] groups of 5: id, priority (class name or integer seconds), tokens,
+-- ARGV[7..] groups of 5: id, priority (class name or integer seconds), tokens ("~N": an estimate),
 --           deadline in ms from now (0 = none), request JSON
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),

@@ -11,7 +11,7 @@ __all__ = ["InputError", "Prepared", "Runner", "TASKS", "load_runner"]
 
 
 def load_runner(task: str | None, model: str | None, runner: str | None, device: str = "auto",
-                allow_download: bool = False) -> Runner:
+                allow_download: bool = False, dtype: str = "auto") -> Runner:
     """The runner a worker was asked for; raises ConfigError with what to change."""
     if runner:
         from batchery.workers.runners.custom import load_factory
@@ -22,16 +22,17 @@ def load_runner(task: str | None, model: str | None, runner: str | None, device:
     if not model:
         raise ConfigError(f"--task {task} needs --model (a directory, a cached hub id, or minilm)")
     try:
-        from batchery.workers.runners.hf import pick_device, resolve_model
+        from batchery.workers.runners.hf import pick_device, pick_dtype, resolve_model
     except ImportError:
         raise ConfigError("the worker needs torch and transformers: "
                           "pip install 'batchery[worker]'") from None
     model_dir, torch_device = resolve_model(model, allow_download), pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
     if task == "embed":
         from batchery.workers.runners.embed import EmbedRunner
-        return EmbedRunner(model_dir, torch_device)
+        return EmbedRunner(model_dir, torch_device, torch_dtype)
     if task == "classify":
         from batchery.workers.runners.classify import ClassifyRunner
-        return ClassifyRunner(model_dir, torch_device)
+        return ClassifyRunner(model_dir, torch_device, torch_dtype)
     from batchery.workers.runners.generate import GenerateRunner
-    return GenerateRunner(model_dir, torch_device)
+    return GenerateRunner(model_dir, torch_device, torch_dtype)

@@ -37,6 +37,12 @@ class Runner:
         """Outputs for a prepared batch, JSON-ready, one per input, in order."""
         raise NotImplementedError
 
+    def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
+        """Exact tokens each input costs as this runner runs it (None where the input
+        cannot run); None when this runner cannot count apart from running, so requests
+        priced by a producer's estimate keep it."""
+        return None
+
     def warmup(self) -> None:
         """Run a dummy batch so the first real one does not pay for lazy initialisation."""
         if self.warmup_inputs:

@@ -13,8 +13,8 @@ from batchery.workers.runners.hf import HFRunner, to_device
 class ClassifyRunner(HFRunner):
     model_class = AutoModelForSequenceClassification
 
-    def __init__(self, model_dir: str, device: torch.device) -> None:
-        super().__init__(model_dir, device)
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model_dir, device, dtype)
         config = self._model.config
         self._labels = [config.id2label[i] for i in range(config.num_labels)]
         self._multi_label = config.problem_type == "multi_label_classification"

@@ -31,6 +31,17 @@ class CallableRunner(Runner):
     def run(self, data: Any) -> list[Any]:
         return list(self._fn(data))
 
+    def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
+        if not hasattr(self._fn, "tokens"):
+            return None  # only the estimate is known: nothing better to write
+        return [self._count(v) for v in inputs]
+
+    def _count(self, value: Any) -> int | None:
+        try:
+            return max(1, int(self._tokens(value)))
+        except Exception:  # an input it cannot price: the run will say why
+            return None
+
     def warmup(self) -> None:
         warm = getattr(self._fn, "warmup", None)
         if callable(warm):

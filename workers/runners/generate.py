@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchery.workers.runners.base import InputError, Prepared, text_of
-from batchery.workers.runners.hf import HFRunner, to_device
+from batchery.workers.runners.hf import HFRunner, text_or_none, count_texts, to_device
 
 DEFAULT_NEW_TOKENS = 32
 MAX_NEW_TOKENS = 1024
@@ -21,9 +21,10 @@ MAX_NEW_TOKENS = 1024
 class GenerateRunner(HFRunner):
     model_class = AutoModelForCausalLM
     padding_side = "left"  # new tokens follow each prompt directly
+    sample_input = None    # decoding time depends on the outputs: no batch-size calibration
 
-    def __init__(self, model_dir: str, device: torch.device) -> None:
-        super().__init__(model_dir, device)
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model_dir, device, dtype)
         if self._tokenizer.pad_token is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token or self._tokenizer.unk_token
         self._eos = self._model.generation_config.eos_token_id
@@ -39,6 +40,14 @@ class GenerateRunner(HFRunner):
         padded = (mask.shape[1] + max(new_tokens)) * len(prompts)
         return Prepared(data=(encoded, new_tokens), lengths=lengths, padded=padded)
 
+    def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
+        """Prompt (cut to the room its new tokens leave) plus its new tokens."""
+        news = [_new_tokens_or_none(v) for v in inputs]
+        prompts = [text_or_none(v, ("prompt", "text")) if n else None for v, n in zip(inputs, news)]
+        counts = count_texts(self._tokenizer, prompts, self.max_input_tokens)
+        return [None if c is None or n is None else min(c, max(1, self.max_input_tokens - n)) + n
+                for c, n in zip(counts, news)]
+
     @torch.inference_mode()
     def run(self, data: Any) -> list[Any]:
         encoded, new_tokens = data
@@ -53,6 +62,13 @@ class GenerateRunner(HFRunner):
             results.append({"text": self._tokenizer.decode(ids, skip_special_tokens=True),
                             "tokens": len(ids)})
         return results
+
+
+def _new_tokens_or_none(value: Any) -> int | None:
+    try:
+        return _new_tokens(value)
+    except InputError:
+        return None
 
 
 def _new_tokens(value: Any) -> int:
