@@ -1,6 +1,7 @@
 """`make demo`: the packaged MiniLM model over a few thousand real paragraphs, as an offline job.
 
-Starts the embedded Redis, two MiniLM workers and a jobs worker; writes the paragraphs
+Starts the embedded Redis, a MiniLM worker with no tuning flags (on a CPU it runs one
+batch per core) and a jobs worker; writes the paragraphs
 to a JSONL file (all three priority classes), submits it with `batchery submit`, follows
 it with `batchery status JOB --watch`, and ends with a table: throughput, batch size,
 padding, waits per class.
@@ -27,7 +28,7 @@ from bench.corpus import paragraphs  # noqa: E402
 
 QUEUE = "demo"
 N_REQUESTS = 3000
-WORKERS = 2
+WORKERS = 1
 MIX = (("realtime", 0.1), ("normal", 0.3), ("batch", 0.6))
 OUT = ROOT / "bench" / "out"
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", BATCHERY_LOG_LEVEL="WARNING")
@@ -43,9 +44,7 @@ def batchery(*args: str) -> list[str]:
 
 
 def start_workers() -> list[subprocess.Popen]:
-    threads = str(max(1, (os.cpu_count() or 2) // WORKERS))
-    cmd = batchery("worker", "--queue", QUEUE, "--task", "embed", "--model", "minilm",
-                   "--threads", threads)
+    cmd = batchery("worker", "--queue", QUEUE, "--task", "embed", "--model", "minilm")
     return [subprocess.Popen(cmd, env=ENV) for _ in range(WORKERS)] + [
         subprocess.Popen(batchery("jobs-worker"), env=ENV)]
 
@@ -75,8 +74,8 @@ def main() -> None:
     queue = RequestQueue(settings.client(), QUEUE)
     reset(queue)
     print(f"redis: embedded ({os.environ['BATCHERY_HOME']}); {len(order)} paragraphs in "
-          f"{source.relative_to(ROOT)}; starting {WORKERS} workers with the packaged "
-          "all-MiniLM-L6-v2 and a jobs worker ...", file=sys.stderr)
+          f"{source.relative_to(ROOT)}; starting a worker with the packaged all-MiniLM-L6-v2 "
+          "(no tuning flags) and a jobs worker ...", file=sys.stderr)
     procs = start_workers()
     try:
         wait_live(queue)
@@ -117,7 +116,7 @@ def report(totals: dict[str, int], output: Path, order: dict[str, str], seconds:
             ok += line["status"] == "ok"
     n = sum(len(w) for w in waits.values())
     print()
-    print(f"{n} requests ({ok} ok) through {WORKERS} workers in {seconds:.1f} s "
+    print(f"{n} requests ({ok} ok) through {WORKERS} worker(s) in {seconds:.1f} s "
           f"(results: {output.relative_to(ROOT)})")
     print(f"{'requests/s':<28}{n / seconds:>10.1f}")
     print(f"{'mean batch size':<28}{totals['ok'] / max(1, totals['batches']):>10.1f}")
