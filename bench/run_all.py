@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import common, contention, model, priorities, queue_cost
+from bench import common, contention, model, priorities, queue_cost, start_order
 
-BENCHMARKS = (("Real model", model), ("Sharing the cores", contention),
+BENCHMARKS = (("Real model", model), ("Defaults and start order", start_order),
+              ("Sharing the cores", contention),
               ("Queue cost", queue_cost), ("Priorities", priorities))
 
 
