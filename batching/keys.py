@@ -45,6 +45,12 @@ class Keys:
         return self._key("attempts")
 
     @property
+    def history(self) -> str:
+        """HASH id -> JSON list of how its failed runs ended, oldest first: {"type",
+        "message"} each (message clipped), at most max_attempts; for its dead letter."""
+        return self._key("history")
+
+    @property
     def leased(self) -> str:
         """ZSET id -> lease expiry ms, for every claimed request."""
         return self._key("leased")

@@ -156,11 +156,13 @@ class RequestQueue:
         for item in items:
             args += item
         flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
-                                       k.settings, k.stats], args)
+                                       k.settings, k.stats, k.history], args)
         return [bool(f) for f in flags]
 
     def fail(self, items: Sequence[tuple[str, str, str]]) -> list[int]:
-        """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost."""
+        """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost.
+
+        A dead letter's error becomes the run's error followed by how each attempt ended."""
         if not items:
             return []
         k = self.keys
@@ -170,7 +172,7 @@ class RequestQueue:
             args += item
         return [int(f) for f in self.scripts.fail(
             [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
-             k.settings, k.depth, k.stats], args)]
+             k.settings, k.depth, k.stats, k.history], args)]
 
     def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
         """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
@@ -185,7 +187,7 @@ class RequestQueue:
         k = self.keys
         requeued, dead = self.scripts.reap(
             [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
-             k.stats, k.requests],
+             k.stats, k.requests, k.history],
             [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit])
         return int(requeued), int(dead)
 
@@ -217,13 +219,14 @@ class RequestQueue:
         """Send dead requests back to the queue (all when ids is empty)."""
         k = self.keys
         return int(self.scripts.revive([k.dead, k.pending, k.sched, k.attempts, k.depth,
-                                        k.requests], [k.result_prefix, *(ids or ["*"])]))
+                                        k.requests, k.history],
+                                       [k.result_prefix, *(ids or ["*"])]))
 
     def purge(self, ids: Sequence[str] = ()) -> int:
         """Forget dead requests for good (all when ids is empty)."""
         k = self.keys
         return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
-                                       k.leased], list(ids or ["*"])))
+                                       k.leased, k.history], list(ids or ["*"])))
 
     # -- observation -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -269,7 +272,7 @@ def cancel_call(k: Keys, ids: Sequence[str]) -> Call:
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats], args)
+                 k.settings, k.depth, k.stats, k.history], args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:

@@ -30,6 +30,21 @@ def fails_on_bad() -> Any:
     return run
 
 
+def fails_twice_then_hangs() -> Any:
+    """On the input "flaky": raises RuntimeError on its first 2 runs in this process, then
+    hangs (sleeps 60 s) on the third, a worker to kill mid-batch. Others pass through."""
+    runs = [0]
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if "flaky" in inputs:
+            runs[0] += 1
+            if runs[0] <= 2:
+                raise RuntimeError(f"flaky failed on run {runs[0]}")
+            time.sleep(60)
+        return [f"ok:{v}" for v in inputs]
+    return run
+
+
 def slow() -> Any:
     """Sleeps BATCHERY_TEST_SLEEP seconds per batch (default 0.5)."""
     delay = float(os.environ.get("BATCHERY_TEST_SLEEP", "0.5"))

@@ -22,8 +22,8 @@ PRODUCER_ACL = (
     "+hget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard "
     "~batchery:queues ~batchery:{*}:pending ~batchery:{*}:delayed ~batchery:{*}:leased "
     "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
-    "~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake ~batchery:{*}:result:* "
-    "~batchery:{*}:reply:* ~batchery:{*}:settings")
+    "~batchery:{*}:history ~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake "
+    "~batchery:{*}:result:* ~batchery:{*}:reply:* ~batchery:{*}:settings")
 WORKER_ACL = (
     "on >worker-secret resetchannels "
     "+ping +evalsha +script|load +time "

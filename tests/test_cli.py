@@ -98,7 +98,8 @@ def test_dead_letters_list_retry_purge(redis_url: str, queue_name: str, tmp_path
         done = run_cli("enqueue", "-q", queue_name, "--text", "bad", "--text", "good", "--wait",
                        redis_url=redis_url)
         bad, good = lines(done.stdout)
-        assert bad["status"] == "dead" and bad["error"]["message"] == "cannot process 'bad'"
+        assert bad["status"] == "dead" and bad["error"]["message"] == (
+            "cannot process 'bad' (attempt 1: RuntimeError: cannot process 'bad')")
         assert good["status"] == "ok"
         listed = run_cli("dead", "list", "-q", queue_name, redis_url=redis_url).stdout
         assert bad["id"] in listed and "RuntimeError: cannot process 'bad'" in listed

@@ -17,7 +17,7 @@ from batchery import Client, Result
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from tests import runners
-from tests.conftest import RedisServer, start_worker, stop_process, wait_for
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.test_client import BackgroundWorker
 from tests.test_end_to_end import run_burst
 
@@ -106,11 +106,45 @@ def test_a_bad_input_fails_alone_retries_with_backoff_then_dead(redis_url: str, 
     assert [r.status for r in results] == ["ok", "ok", "dead", "ok", "ok"]
     assert [r.output for r in results if r.ok] == ["ok:a", "ok:b", "ok:c", "ok:d"]
     dead = results[2]
-    assert dead.attempts == 3 and dead.error == {"type": "RuntimeError",
-                                                   "message": "cannot process 'bad'"}
+    assert dead.attempts == 3 and dead.error == {"type": "RuntimeError", "message": (
+        "cannot process 'bad' (attempt 1: RuntimeError: cannot process 'bad'; attempt 2: "
+        "RuntimeError: cannot process 'bad'; attempt 3: RuntimeError: cannot process 'bad')")}
     assert elapsed >= 1.5  # backoff: 0.5 s then 1 s between the three attempts
     with Client(redis_url, queue_name) as client:
         assert client.queue.stats()["dead"] == 1
+
+
+def test_a_dead_letter_keeps_the_runner_error_and_says_how_each_attempt_ended(
+        rconn, redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    """Two runs raise, the worker running the third is SIGKILLed: the reaper dead-letters
+    the request with the runner's error, not only the lost lease."""
+    queue = RequestQueue(rconn, queue_name)
+    configured = run_cli("queue", "config", queue_name, "--lease-seconds", "1",
+                         "--max-attempts", "3", redis_url=redis_url)
+    assert configured.returncode == 0, configured.stderr
+    victim = start_worker(redis_url, queue_name, "--runner", "tests.runners:fails_twice_then_hangs",
+                          log=tmp_path / "victim.log")
+    survivor = None
+    try:
+        with Client(redis_url, queue_name) as client:
+            handle = client.enqueue("flaky")
+            wait_for(lambda: queue.client.hget(queue.keys.attempts, handle.id) == "2"
+                     and held_by(queue, victim.pid), 60, message="the third run to start")
+            victim.send_signal(signal.SIGKILL)  # mid-batch: the runner sleeps in it
+            victim.wait(10)
+            survivor = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                                    log=tmp_path / "survivor.log")  # its reaper takes it back
+            result = handle.result(timeout=60)
+    finally:
+        stop_process(victim)
+        if survivor is not None:
+            stop_process(survivor)
+    assert result.status == "dead" and result.attempts == 3
+    assert result.error == {"type": "RuntimeError", "message": (
+        "flaky failed on run 2 (attempt 1: RuntimeError: flaky failed on run 1; attempt 2: "
+        "RuntimeError: flaky failed on run 2; attempt 3: lease expired, the worker died or hung)")}
+    listed = run_cli("dead", "list", "-q", queue_name, redis_url=redis_url).stdout
+    assert listed == f"{handle.id}\tattempts=3\tRuntimeError: {result.error['message']}\n"
 
 
 def test_an_input_error_fails_at_once_without_retries(redis_url: str, queue_name: str) -> None:

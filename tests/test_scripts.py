@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -124,6 +125,73 @@ def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) 
     assert queue.fail([(last.id, last.token, dead_json)]) == [2]
     assert queue.purge() == 1
     assert queue.stats()["dead"] == 0 and not queue.client.hexists(queue.keys.requests, "r0")
+
+
+def failed(queue: RequestQueue, claimed: list, message: str = "boom") -> list[int]:
+    """Fail each claimed request with a RuntimeError(message), as a worker does."""
+    return queue.fail([(r.id, r.token, Result(r.id, "dead", error={
+        "type": "RuntimeError", "message": message}, attempts=r.attempt).to_json()) for r in claimed])
+
+
+def history(queue: RequestQueue, request_id: str) -> list[dict] | None:
+    raw = queue.client.hget(queue.keys.history, request_id)
+    return json.loads(raw) if raw else None
+
+
+def test_a_dead_letter_says_how_each_attempt_ended(queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1, max_attempts=3)
+    queue.enqueue(requests("a"), "c")
+    first = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert failed(queue, first) == [1]
+    assert failed(queue, first) == [0]  # a replay (a dropped reply) is discarded, not counted
+    assert history(queue, "r0") == [{"type": "RuntimeError", "message": "boom"}]
+    time.sleep(0.55)
+    assert failed(queue, queue.claim("w#2", 10, 10_000, 0, 10).batch) == [1]
+    time.sleep(1.05)
+    assert queue.claim("w#3", 10, 10_000, 0, 10).batch[0].attempt == 3  # then it dies
+    time.sleep(1.1)
+    assert queue.reap() == (0, 1)
+    assert queue.result("r0").error == {"type": "RuntimeError", "message": (
+        "boom (attempt 1: RuntimeError: boom; attempt 2: RuntimeError: boom; "
+        "attempt 3: lease expired, the worker died or hung)")}
+
+
+def test_a_dead_letter_of_lost_leases_only_is_a_lease_expired(queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1, max_attempts=2)
+    queue.enqueue(requests("a"), "c")
+    for attempt in (1, 2):
+        assert queue.claim(f"w#{attempt}", 10, 10_000, 0, 10).batch[0].attempt == attempt
+        time.sleep(1.1)
+        assert queue.reap() == ((1, 0) if attempt == 1 else (0, 1))
+    assert queue.result("r0").error == {"type": "LeaseExpired", "message": (
+        "the worker running this request stopped renewing its lease (attempt 1: lease "
+        "expired, the worker died or hung; attempt 2: lease expired, the worker died or hung)")}
+
+
+def test_history_is_clipped_and_goes_with_the_working_state(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=2)
+    queue.enqueue(requests("a", "b", "c"), "c")
+    long = "a" + "é" * 300  # 601 bytes: clipped to whole characters, still UTF-8
+    assert failed(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch, long) == [1, 1, 1]
+    assert queue.cancel(["r2"]) == [1] and history(queue, "r2") is None
+    time.sleep(0.55)
+    r0, r1 = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert ok(queue, [r1]) == [True] and history(queue, "r1") is None
+    assert failed(queue, [r0], long) == [2]
+    clipped = "a" + "é" * 99 + "..."  # 199 bytes: the 200th starts a character
+    assert history(queue, "r0") == [{"type": "RuntimeError", "message": clipped}] * 2
+    assert queue.result("r0").error["message"] == (  # the last error itself in full
+        f"{long} (attempt 1: RuntimeError: {clipped}; attempt 2: RuntimeError: {clipped})")
+    assert queue.revive(["r0"]) == 1 and history(queue, "r0") is None  # a fresh start
+    assert failed(queue, queue.claim("w#3", 10, 10_000, 0, 10).batch) == [1]
+    assert history(queue, "r0") == [{"type": "RuntimeError", "message": "boom"}]
+    time.sleep(0.55)
+    assert failed(queue, queue.claim("w#4", 10, 10_000, 0, 10).batch) == [2]
+    assert queue.result("r0").error["message"] == (
+        "boom (attempt 1: RuntimeError: boom; attempt 2: RuntimeError: boom)")
+    assert queue.purge() == 1
+    for key in (queue.keys.history, queue.keys.attempts):
+        assert queue.client.hlen(key) == 0
 
 
 def test_deadlines_expire_queued_requests(queue: RequestQueue) -> None:

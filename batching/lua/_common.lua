@@ -67,11 +67,64 @@ local function push_replies(reply_prefix, by_client, ttl)
   end
 end
 
+-- How each failed run of a request ended (the `history` hash): a JSON list of
+-- {type, message}, oldest first, at most max_attempts entries, messages clipped to
+-- ENDING_BYTES.
+local ENDING_BYTES = 200
+local LEASE_EXPIRED = {type = 'LeaseExpired', message = 'lease expired, the worker died or hung'}
+
+-- At most n bytes of s, cut before a whole UTF-8 character, with '...' when cut.
+local function clip(s, n)
+  if #s <= n then return s end
+  local cut = n
+  while cut > 0 do
+    local b = string.byte(s, cut + 1)
+    if b < 128 or b >= 192 then break end  -- not a continuation byte: a character starts
+    cut = cut - 1
+  end
+  return string.sub(s, 1, cut) .. '...'
+end
+
+-- Append how this run ended ({type, message}) to the request's history; returns it.
+local function record_ending(history_key, id, ending, keep)
+  local ok, list = pcall(cjson.decode, rcall('HGET', history_key, id) or '[]')
+  if not ok or type(list) ~= 'table' then list = {} end
+  list[#list + 1] = {type = clip(ending.type, 100), message = clip(ending.message, ENDING_BYTES)}
+  while #list > keep do table.remove(list, 1) end
+  rcall('HSET', history_key, id, cjson.encode(list))
+  return list
+end
+
+-- A dead letter's error: the last runner error (else LeaseExpired), then how each run
+-- ended, "boom (attempt 1: RuntimeError: boom; attempt 2: lease expired, ...)".
+-- failures: runs counted (history may hold only the last ones); last: this run's
+-- runner error in full, when this run raised.
+local function dead_error(history, failures, last)
+  local parts, runner = {}, nil
+  local first = math.max(0, failures - #history)
+  for i, e in ipairs(history) do
+    local text = '?'
+    if type(e) == 'table' and type(e.type) == 'string' and type(e.message) == 'string' then
+      if e.type == LEASE_EXPIRED.type then text = e.message else
+        text = e.type .. ': ' .. e.message
+        runner = e
+      end
+    end
+    parts[i] = 'attempt ' .. fmt_int(first + i) .. ': ' .. text
+  end
+  runner = last or runner
+  local ended = ' (' .. table.concat(parts, '; ') .. ')'
+  if runner then return {type = runner.type, message = runner.message .. ended} end
+  return {type = LEASE_EXPIRED.type,
+          message = 'the worker running this request stopped renewing its lease' .. ended}
+end
+
 -- Forget a request's working state (not its result).
 local function forget(keys, ids)
   call_chunked('HDEL', keys.requests, ids)
   call_chunked('HDEL', keys.sched, ids)
   call_chunked('HDEL', keys.attempts, ids)
+  call_chunked('HDEL', keys.history, ids)
   call_chunked('HDEL', keys.owner, ids)
   call_chunked('ZREM', keys.leased, ids)
 end

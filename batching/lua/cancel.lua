@@ -1,13 +1,14 @@
 -- cancel: cancel requests by id; queued ones never run, running ones are discarded.
 -- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
 -- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
+-- KEYS[11] history
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4..] pairs: id, the cancelled result JSON
 -- Returns {c1..cN}: 1 cancelled while queued; 2 cancelled while running (the worker's
 --   result will be discarded); 0 not cancellable (finished, dead or unknown).
 local K = {pending = KEYS[1], delayed = KEYS[2], leased = KEYS[3], owner = KEYS[4],
            requests = KEYS[5], sched = KEYS[6], attempts = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], stats = KEYS[10]}
+           depth = KEYS[9], stats = KEYS[10], history = KEYS[11]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local flags, counts, gone = {}, {}, {}

@@ -1,13 +1,13 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
--- KEYS[6] settings  KEYS[7] stats
+-- KEYS[6] settings  KEYS[7] stats  KEYS[8] history
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5..] groups of 3: id, lease token, result JSON
 -- Returns {c1..cN}: 1 committed; 0 discarded because this claim no longer holds the
 --   lease (it expired and was taken over, or the request was cancelled).
 local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
-           owner = KEYS[5], settings = KEYS[6], stats = KEYS[7]}
+           owner = KEYS[5], settings = KEYS[6], stats = KEYS[7], history = KEYS[8]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local n = (#ARGV - 4) / 3

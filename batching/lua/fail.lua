@@ -1,17 +1,19 @@
 -- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
+-- KEYS[11] history
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
 -- ARGV[5] backoff base ms        ARGV[6] backoff cap ms
--- ARGV[7..] groups of 3: id, lease token, the dead result JSON (used on the last attempt)
--- The n-th failure waits min(cap, base * 2^(n-1)) ms in `delayed`; failure number
--- max_attempts commits the dead result, adds the id to `dead`, and keeps the request
--- (for `batchery dead retry`).
+-- ARGV[7..] groups of 3: id, lease token, the dead result JSON (its error is the run's)
+-- Each failure appends the run's error to the request's `history`. The n-th failure
+-- waits min(cap, base * 2^(n-1)) ms in `delayed`; failure number max_attempts commits
+-- the dead result, its error now this run's followed by how each attempt ended, adds
+-- the id to `dead`, and keeps the request (for `batchery dead retry`).
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
 local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
            owner = KEYS[5], delayed = KEYS[6], dead = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], stats = KEYS[10]}
+           depth = KEYS[9], stats = KEYS[10], history = KEYS[11]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
@@ -28,8 +30,19 @@ for i = 1, (#ARGV - 6) / 3 do
     rcall('ZREM', K.leased, id)
     local failures = rcall('HINCRBY', K.attempts, id, 1)
     local s = parse_sched(rcall('HGET', K.sched, id) or '0:0:0:0::')
+    local json = ARGV[base + 3]
+    local ok, result = pcall(cjson.decode, json)
+    if not ok or type(result) ~= 'table' then result = {} end
+    local err = type(result.error) == 'table' and result.error or {}
+    local ending = {type = type(err.type) == 'string' and err.type or 'Error',
+                    message = type(err.message) == 'string' and err.message or ''}
+    local history = record_ending(K.history, id, ending, max_attempts)
     if failures >= max_attempts then
-      commit_result(result_prefix, reply_prefix, id, s.client or '', ARGV[base + 3], ttl)
+      if ok and type(result.error) == 'table' then
+        result.error = dead_error(history, failures, ending)
+        json = cjson.encode(result)
+      end
+      commit_result(result_prefix, reply_prefix, id, s.client or '', json, ttl)
       rcall('ZADD', K.dead, now, id)
       flags[i], dead = 2, dead + 1
     else

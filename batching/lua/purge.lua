@@ -1,11 +1,11 @@
 -- purge: forget dead-lettered requests for good (`batchery dead purge`).
 -- KEYS[1] dead  KEYS[2] requests  KEYS[3] sched  KEYS[4] attempts  KEYS[5] owner
--- KEYS[6] leased
+-- KEYS[6] leased  KEYS[7] history
 -- ARGV[1..] ids ('*' alone: every dead request)
 -- Their dead results stay readable until the result TTL.
 -- Returns the number purged.
 local K = {dead = KEYS[1], requests = KEYS[2], sched = KEYS[3], attempts = KEYS[4],
-           owner = KEYS[5], leased = KEYS[6]}
+           owner = KEYS[5], leased = KEYS[6], history = KEYS[7]}
 local ids = {}
 if ARGV[1] == '*' then ids = rcall('ZRANGE', K.dead, 0, -1) else
   for i = 1, #ARGV do

@@ -1,14 +1,17 @@
 -- reap: take back expired leases (their worker died or hung).
 -- KEYS[1] leased  KEYS[2] owner  KEYS[3] attempts  KEYS[4] pending  KEYS[5] sched
 -- KEYS[6] dead    KEYS[7] settings  KEYS[8] depth  KEYS[9] stats  KEYS[10] requests
+-- KEYS[11] history
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
--- Each expired lease counts as a failed attempt: the request goes back to pending at
--- its original rank (it keeps its place), or is dead-lettered after max_attempts.
+-- Each expired lease counts as a failed attempt, recorded in `history`: the request
+-- goes back to pending at its original rank (it keeps its place), or is dead-lettered
+-- after max_attempts, its error the last runner error (else LeaseExpired) followed by
+-- how each attempt ended.
 -- Returns {requeued, dead}.
 local K = {leased = KEYS[1], owner = KEYS[2], attempts = KEYS[3], pending = KEYS[4],
            sched = KEYS[5], dead = KEYS[6], settings = KEYS[7], depth = KEYS[8],
-           stats = KEYS[9], requests = KEYS[10]}
+           stats = KEYS[9], requests = KEYS[10], history = KEYS[11]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
@@ -21,13 +24,15 @@ for _, id in ipairs(ids) do
   local raw = rcall('HGET', K.sched, id)
   if not raw or rcall('HEXISTS', K.requests, id) == 0 then
     rcall('HDEL', K.sched, id)  -- nothing left to run
+    rcall('HDEL', K.attempts, id)
+    rcall('HDEL', K.history, id)
   else
     local s = parse_sched(raw)
     local failures = rcall('HINCRBY', K.attempts, id, 1)
+    local history = record_ending(K.history, id, LEASE_EXPIRED, max_attempts)
     if failures >= max_attempts then
       local json = cjson.encode({id = id, status = 'dead', output = cjson.null,
-        error = {type = 'LeaseExpired', message = 'the worker running this request stopped ' ..
-                 'renewing its lease (it died or hung) on each of ' .. failures .. ' attempts'},
+        error = dead_error(history, failures, nil),
         attempts = failures, worker = cjson.null, batch_size = cjson.null,
         queued_ms = now - s.enq, run_ms = cjson.null})
       commit_result(result_prefix, reply_prefix, id, s.client, json, ttl)
