@@ -1,7 +1,7 @@
 """The ``batchery`` command: a click group; producers' and workers' commands plug in.
 
-Errors a user can act on print one line on stderr and exit with their code (2 bad
-input, 3 queue full, 4 job not found, 5 timeout, 6 request lost); never a traceback.
+Errors a user can act on print one line on stderr and exit with their code (the table
+is in batchery/errors.py and the README); never a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from typing import Any, Callable, TypeVar
 
 import click
@@ -17,9 +18,9 @@ import redis
 from batchery import embedded
 from batchery.batching.keys import QUEUES
 from batchery.batching.queue import RequestQueue
-from batchery.config import DEFAULT_QUEUE, ENV_QUEUE, ENV_REDIS_URL, EMBEDDED
+from batchery.config import DEFAULT_QUEUE, ENV_QUEUE, ENV_REDIS_URL, ENV_REDIS_URL_FALLBACK
 from batchery.connection import RedisSettings
-from batchery.errors import BatcheryError, ConfigError
+from batchery.errors import BatcheryError, ConfigError, NotOk, RequestNotFound
 from batchery.params import FINITE
 
 EXIT_REDIS = 1
@@ -60,9 +61,9 @@ def redis_options(fn: F) -> F:
     """--redis-url and --cluster (both also from the environment)."""
     fn = click.option("--cluster", is_flag=True, envvar="BATCHERY_CLUSTER",
                       help="The URL is a Redis Cluster node.")(fn)
-    fn = click.option("--redis-url", envvar=ENV_REDIS_URL, default=EMBEDDED, show_default=True,
-                      metavar="URL",
-                      help="redis://, rediss://, unix://, or 'embedded' (a private server).")(fn)
+    fn = click.option("--redis-url", envvar=[ENV_REDIS_URL, ENV_REDIS_URL_FALLBACK], metavar="URL",
+                      help="redis://, rediss://, unix://, or 'embedded' (a private server: "
+                      "the default, except in a container).")(fn)
     return fn
 
 
@@ -71,7 +72,7 @@ def queue_option(fn: F) -> F:
                         show_default=True, help="Queue name.")(fn)
 
 
-def connect(redis_url: str, cluster: bool) -> Any:
+def connect(redis_url: str | None, cluster: bool) -> Any:
     return RedisSettings.from_url(redis_url, cluster=cluster).client()
 
 
@@ -165,14 +166,50 @@ def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis
         click.echo(f"{key}: {value}")
 
 
+@queue_group.command("pause")
+@click.argument("queue")
+@redis_options
+def queue_pause(queue: str, redis_url: str | None, cluster: bool) -> None:
+    """Workers stop claiming from QUEUE (running batches finish); enqueues go on."""
+    RequestQueue(connect(redis_url, cluster), queue).update_settings(paused=True)
+    click.echo(f"queue {queue!r} paused: workers claim nothing until `batchery queue resume {queue}`")
+
+
+@queue_group.command("resume")
+@click.argument("queue")
+@redis_options
+def queue_resume(queue: str, redis_url: str | None, cluster: bool) -> None:
+    """Workers claim from QUEUE again."""
+    RequestQueue(connect(redis_url, cluster), queue).update_settings(paused=False)
+    click.echo(f"queue {queue!r} resumed")
+
+
 # -- stats --------------------------------------------------------------------------------
 @cli.command("stats")
 @click.option("--queue", "-q", "only", help="Only this queue.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", "interval", type=FINITE, is_flag=False, flag_value=2.0, default=None,
+              metavar="[SECONDS]", help="Print again every SECONDS (default 2) until Ctrl-C.")
 @redis_options
-def stats(only: str | None, as_json: bool, redis_url: str, cluster: bool) -> None:
+def stats(only: str | None, as_json: bool, interval: float | None, redis_url: str | None,
+          cluster: bool) -> None:
     """Pending by priority, in flight, dead letters and live workers, per queue."""
+    if interval is not None and interval <= 0:
+        raise ConfigError(f"--watch takes a positive number of seconds, got {interval}")
     client = connect(redis_url, cluster)
+    try:
+        while True:
+            _print_stats(client, only, as_json)
+            if interval is None:
+                return
+            time.sleep(interval)
+            if not as_json:
+                click.echo()
+    except KeyboardInterrupt:  # how --watch ends
+        return
+
+
+def _print_stats(client: Any, only: str | None, as_json: bool) -> None:
     names = [only] if only else sorted(client.smembers(QUEUES))
     queues = {name: RequestQueue(client, name).stats() for name in names}
     if as_json:
@@ -185,7 +222,45 @@ def stats(only: str | None, as_json: bool, redis_url: str, cluster: bool) -> Non
     for name, s in queues.items():
         by = " ".join(f"{c}={n}" for c, n in s["pending_by_priority"].items()) or "-"
         click.echo(f"{name:<20} {s['pending']:>9} {s['inflight']:>9} {s['dead']:>6} "
-                   f"{s['workers']:>8}  {by}")
+                   f"{s['workers']:>8}  {by}{'  (paused)' if s['paused'] else ''}")
+
+
+# -- one request ----------------------------------------------------------------------------
+@cli.group("request")
+def request_group() -> None:
+    """One request by id: its result, or cancel it."""
+
+
+@request_group.command("get")
+@click.argument("request_id")
+@queue_option
+@redis_options
+def request_get(request_id: str, queue: str, redis_url: str | None, cluster: bool) -> None:
+    """Print the request's result as JSON (status "pending" while queued or running)."""
+    found = RequestQueue(connect(redis_url, cluster), queue).lookup([request_id])[0]
+    if found is False:
+        raise RequestNotFound(f"queue {queue!r} holds no request {request_id!r}: never "
+                              "enqueued, or its result expired or was delivered and deleted")
+    click.echo(found.to_json() if found is not True
+               else json.dumps({"id": request_id, "status": "pending"}))
+
+
+CANCEL_OUTCOMES = {1: "cancelled while queued", 2: "cancelled while running (its output is "
+                   "discarded)", 0: "not cancelled: it had finished, or is unknown"}
+
+
+@request_group.command("cancel")
+@click.argument("request_ids", nargs=-1, required=True)
+@queue_option
+@redis_options
+def request_cancel(request_ids: tuple[str, ...], queue: str, redis_url: str | None,
+                   cluster: bool) -> None:
+    """Cancel requests; exits 7 when one could not be (finished already, or unknown)."""
+    flags = RequestQueue(connect(redis_url, cluster), queue).cancel(list(request_ids))
+    for request_id, flag in zip(request_ids, flags):
+        click.echo(f"{request_id}: {CANCEL_OUTCOMES[flag]}")
+    if not all(flags):
+        raise NotOk(f"{flags.count(0)} of {len(flags)} request(s) could not be cancelled")
 
 
 # -- dead letters -------------------------------------------------------------------------

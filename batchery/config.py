@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from batchery.errors import ConfigError
 
 ENV_REDIS_URL = "BATCHERY_REDIS_URL"
+ENV_REDIS_URL_FALLBACK = "REDIS_URL"  # what Heroku-style Redis add-ons set
+ENV_NO_EMBEDDED = "BATCHERY_NO_EMBEDDED"  # 1: a missing Redis URL is an error
 ENV_HOME = "BATCHERY_HOME"
 ENV_QUEUE = "BATCHERY_QUEUE"
 
@@ -58,6 +60,8 @@ class QueueSettings:
     # A result handed to the client that waited for it (or written to an offline job's
     # output) is deleted from Redis at once; off, it stays for result_ttl.
     delete_delivered: bool = True
+    # Workers claim nothing while set (`batchery queue pause`); producers still enqueue.
+    paused: bool = False
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
@@ -133,4 +137,22 @@ def state_dir() -> Path:
 
 
 def redis_url_from_env(url: str | None) -> str:
-    return url or os.environ.get(ENV_REDIS_URL) or EMBEDDED
+    """The URL given, else BATCHERY_REDIS_URL, else REDIS_URL, else the embedded server,
+    except where deployed: a pod that quietly started a private Redis would serve a
+    queue nobody else sees, so there a missing URL is an error."""
+    chosen = url or os.environ.get(ENV_REDIS_URL) or os.environ.get(ENV_REDIS_URL_FALLBACK)
+    if chosen:
+        return chosen
+    if deployed():
+        raise ConfigError(f"no Redis URL: set {ENV_REDIS_URL} (or {ENV_REDIS_URL_FALLBACK}) to "
+                          "the fleet's Redis, e.g. redis://redis:6379/0; in a Kubernetes pod "
+                          "or batchery's image the private embedded server starts only when "
+                          f"asked for, with --redis-url {EMBEDDED}")
+    return EMBEDDED
+
+
+def deployed() -> bool:
+    """In a Kubernetes pod, or in batchery's image (it sets BATCHERY_NO_EMBEDDED=1): no
+    laptop defaults there. (Docker's own marker file is not used: dev containers have it.)"""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or os.environ.get(
+        ENV_NO_EMBEDDED, "") not in ("", "0")

@@ -1,4 +1,10 @@
-"""Errors a user can act on. The CLI maps each to an exit code, never a traceback."""
+"""Errors a user can act on. The CLI maps each to an exit code, never a traceback.
+
+Exit codes (README "Exit codes"): 0 done; 1 Redis unreachable or refusing; 2 bad input
+or option; 3 queue full; 4 no such job or request; 5 timed out waiting; 6 request lost
+by Redis; 7 done, but a result is not ok (error, expired, cancelled, dead) or the job
+failed or was cancelled.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +38,18 @@ class QueueFull(BatcheryError):
 
 class JobNotFound(BatcheryError):
     """No offline job with that id."""
+
+    exit_code = 4
+
+
+class NotOk(BatcheryError):
+    """The command ran, but what it waited for did not succeed."""
+
+    exit_code = 7
+
+
+class RequestNotFound(BatcheryError, LookupError):
+    """No request with that id: not queued, not running, no result (any more)."""
 
     exit_code = 4
 

@@ -242,11 +242,12 @@ class RequestQueue:
         pipe.hget(k.settings, "lease_seconds")
         pipe.zrangebyscore(k.workers, "-inf", "+inf", withscores=True)
         pipe.hgetall(k.stats)
-        pending, delayed, depth, leased, dead, lease_s, workers, totals = pipe.execute()
+        pipe.hget(k.settings, "paused")
+        pending, delayed, depth, leased, dead, lease_s, workers, totals, paused = pipe.execute()
         live_after = seconds * 1000 + micros // 1000 - 1000 * float(lease_s or DEFAULTS.lease_seconds)
         return {"pending": pending + delayed,
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
-                "inflight": leased, "dead": dead,
+                "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
                 "workers": sum(1 for _, seen in workers if seen >= live_after),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from batchery.errors import InvalidRequest
+from batchery.errors import InvalidRequest, NotOk
 from batchery.params import FINITE
 from batchery.producer.client import Client
 
@@ -24,7 +24,8 @@ def _priority(value: str) -> str | int:
               help="realtime, normal, batch, or a delay in seconds.")
 @click.option("--deadline", type=FINITE, help="Seconds from now after which it is not run.")
 @click.option("--id", "request_id", help="Request id (one input only); enqueue is idempotent by id.")
-@click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines.")
+@click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines "
+              "(exit 7 if one is not ok).")
 @click.option("--timeout", type=FINITE, default=60.0, show_default=True, help="With --wait.")
 def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
             deadline: float | None, request_id: str | None, wait: bool, timeout: float,
@@ -49,8 +50,13 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
             if not wait:
                 click.echo(handle.id)
         if wait:
-            for handle in handles:
-                click.echo(handle.result(timeout=timeout).to_json())
+            results = [handle.result(timeout=timeout) for handle in handles]
+            for result in results:
+                click.echo(result.to_json())
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise NotOk(f"{len(failed)} of {len(results)} request(s) did not succeed "
+                            f"(first: {failed[0].id} {failed[0].status})")
 
 
 def register(group: click.Group) -> None:

@@ -14,7 +14,7 @@ import click
 import redis
 
 from batchery.connection import RedisSettings, redact
-from batchery.errors import ConfigError
+from batchery.errors import ConfigError, NotOk
 from batchery.producer import jobs
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def status(ctx: click.Context, job_id: str | None, as_json: bool, watch: bool, l
     view = _watch(conn, job_id) if watch else jobs.describe(jobs.fetch(conn, job_id))
     click.echo(json.dumps(view, indent=2) if as_json else _human(view))
     if watch and view["state"] != jobs.FINISHED:
-        ctx.exit(1)
+        ctx.exit(NotOk.exit_code)
 
 
 def _list(conn: redis.Redis, jobs_queue: str, limit: int, as_json: bool) -> None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import free_port, run_cli, start_worker, stop_process, wait_for
+from tests.conftest import (ROOT, cli_env, free_port, run_cli, start_worker, stop_process,
+                            wait_for)
 
 
 def lines(text: str) -> list[dict]:
@@ -98,6 +102,7 @@ def test_dead_letters_list_retry_purge(redis_url: str, queue_name: str, tmp_path
         done = run_cli("enqueue", "-q", queue_name, "--text", "bad", "--text", "good", "--wait",
                        redis_url=redis_url)
         bad, good = lines(done.stdout)
+        assert done.returncode == 7 and "1 of 2 request(s) did not succeed" in done.stderr
         assert bad["status"] == "dead" and bad["error"]["message"] == (
             "cannot process 'bad' (attempt 1: RuntimeError: cannot process 'bad')")
         assert good["status"] == "ok"
@@ -113,6 +118,61 @@ def test_dead_letters_list_retry_purge(redis_url: str, queue_name: str, tmp_path
     assert "1 dead request(s) purged" in purged.stdout
     assert json.loads(run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url).stdout
                       )["queues"][queue_name]["dead"] == 0
+
+
+def test_one_request_by_id_and_pausing_a_queue(redis_url: str, queue_name: str,
+                                               tmp_path: Path) -> None:
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                          log=tmp_path / "worker.log")
+    try:
+        paused = run_cli("queue", "pause", queue_name, redis_url=redis_url)
+        assert paused.returncode == 0, paused.stderr
+        stats = run_cli("stats", "-q", queue_name, redis_url=redis_url).stdout
+        assert "(paused)" in stats
+        request_id = run_cli("enqueue", "-q", queue_name, "--text", "hi", "--id", "r1",
+                             redis_url=redis_url).stdout.strip()
+        # paused: the worker claims nothing, the request waits
+        waited = run_cli("enqueue", "-q", queue_name, "--text", "later", "--wait",
+                         "--timeout", "2", redis_url=redis_url)
+        assert waited.returncode == 5, waited.stderr
+        pending = run_cli("request", "get", request_id, "-q", queue_name, redis_url=redis_url)
+        assert json.loads(pending.stdout) == {"id": "r1", "status": "pending"}
+        assert run_cli("queue", "resume", queue_name, redis_url=redis_url).returncode == 0
+        wait_for(lambda: json.loads(run_cli("request", "get", "r1", "-q", queue_name,
+                                            redis_url=redis_url).stdout)["status"] == "ok",
+                 30, message="the request to run once resumed")
+    finally:
+        stop_process(worker)
+    missing = run_cli("request", "get", "nope", "-q", queue_name, redis_url=redis_url)
+    assert missing.returncode == 4 and "holds no request 'nope'" in missing.stderr
+    queued = run_cli("enqueue", "-q", queue_name, "--text", "x", "--id", "r2", redis_url=redis_url)
+    assert queued.returncode == 0
+    cancelled = run_cli("request", "cancel", "r2", "nope", "-q", queue_name, redis_url=redis_url)
+    assert "r2: cancelled while queued" in cancelled.stdout
+    assert "nope: not cancelled" in cancelled.stdout and cancelled.returncode == 7
+
+
+def test_stats_watch_prints_until_interrupted(redis_url: str, queue_name: str) -> None:
+    run_cli("enqueue", "-q", queue_name, "--text", "x", redis_url=redis_url)
+    with subprocess.Popen([sys.executable, "-m", "batchery", "stats", "-q", queue_name,
+                           "--watch", "0.2"], cwd=ROOT, env=cli_env(redis_url),
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            seen = [proc.stdout.readline() for _ in range(4)]  # header, row, blank, header
+            assert seen[0].startswith("queue") and queue_name in seen[1]
+            assert seen[3].startswith("queue")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(10) == 0
+
+
+def test_redis_url_from_redis_url_and_none_in_a_pod(redis_url: str, queue_name: str) -> None:
+    heroku = run_cli("stats", "-q", queue_name, REDIS_URL=redis_url)  # no BATCHERY_REDIS_URL
+    assert heroku.returncode == 0 and queue_name in heroku.stdout
+    pod = run_cli("stats", KUBERNETES_SERVICE_HOST="10.0.0.1")
+    assert pod.returncode == 2 and "no Redis URL: set BATCHERY_REDIS_URL" in pod.stderr
+    image = run_cli("stats", BATCHERY_NO_EMBEDDED="1", BATCHERY_REDIS_URL="")
+    assert image.returncode == 2 and "--redis-url embedded" in image.stderr
 
 
 @pytest.mark.slow

@@ -165,7 +165,10 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def container_argv(container: dict[str, Any]) -> list[str]:
-    return [*container.get("command", docker_json("ENTRYPOINT")), *container.get("args", [])]
+    entry = docker_json("ENTRYPOINT")
+    if entry[:2] == ["tini", "--"]:  # the init that passes signals on, not the command
+        entry = entry[2:]
+    return [*container.get("command", entry), *container.get("args", [])]
 
 
 def worker_containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -348,7 +351,8 @@ def test_dashboard_queries_declared_metrics() -> None:
 
 def test_dockerfile_builds_what_setup_cfg_installs(check: Any) -> None:
     steps = dockerfile()
-    assert docker_json("ENTRYPOINT") == ["batchery"]
+    assert docker_json("ENTRYPOINT") == ["tini", "--", "batchery"]  # tini: PID 1, signals
+    assert any("install" in r and "tini" in r for op, r in steps if op == "RUN")
     env = docker_env()
     ctx = check(["batchery", *docker_json("CMD")], "deploy/Dockerfile CMD", env)
     assert ctx.command.name == "worker"

@@ -32,6 +32,9 @@ local function parse_sched(s)
           enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
 end
 
+-- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
+local PAUSED_WAIT_MS = 1000
+
 local function fmt_int(x)
   return string.format('%d', x)
 end

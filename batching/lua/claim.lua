@@ -18,7 +18,8 @@
 --   with n = #ids; the first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
---   wait_ms = -1: nothing is pending or waiting to be retried.
+--   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
+--   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
 --   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
 --   estimate (scheds and attempts empty): count them, reprice, claim again.
 local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
@@ -29,6 +30,8 @@ local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local now = now_ms()
+-- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
+if setting(K.settings, 'paused', 0) ~= 0 then return {now, PAUSED_WAIT_MS, 0} end
 
 -- retries whose backoff is over go back to pending at their original rank
 local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
