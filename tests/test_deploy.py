@@ -23,6 +23,9 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from batchery import config
+from batchery.batching.keys import Keys
+from batchery.batching.messages import Request
+from batchery.batching.queue import RequestQueue
 from batchery.cli import cli
 from batchery.workers import metrics
 
@@ -32,6 +35,7 @@ K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "batchery.json"
 SCALEDOBJECT = DEPLOY / "keda" / "scaledobject.yaml"
+SCALEDOBJECT_PROMETHEUS = DEPLOY / "keda" / "scaledobject-prometheus.yaml"
 PROCFILE = ROOT / "Procfile"
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped series
 
@@ -308,16 +312,46 @@ def test_secret_creation_is_documented() -> None:
     assert not secrets, f"{secrets}: create Secrets out of band, never commit them"
 
 
-def test_keda_scales_the_worker_on_its_queue_depth(check: Any) -> None:
-    (so,) = yaml_docs(SCALEDOBJECT)
+def scaled_queue(so: dict[str, Any], check: Any) -> str:
+    """The queue of the worker Deployment a ScaledObject scales."""
     target = so["spec"]["scaleTargetRef"]["name"]
     workers = {name: c for name, _, c in worker_containers()}
     assert target in workers, f"KEDA scales {target!r}, which runs no `batchery worker`"
     assert so["metadata"]["namespace"] == kustomization()["namespace"]
+    worker = workers[target]
+    return check(container_argv(worker), target, container_env(worker)).params["queue"]
+
+
+def test_keda_scales_from_zero_on_the_queues_sorted_sets(check: Any, rconn: Any) -> None:
+    auth, so = yaml_docs(SCALEDOBJECT)
+    assert (auth["kind"], so["kind"]) == ("TriggerAuthentication", "ScaledObject")
+    assert so["spec"]["minReplicaCount"] == 0  # Redis answers with no worker running
+    keys = Keys(scaled_queue(so, check))
+    triggers = so["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis"}
+    assert [t["metadata"]["listName"] for t in triggers] == [keys.pending, keys.delayed]
+    assert all(t["authenticationRef"]["name"] == auth["metadata"]["name"] for t in triggers)
+    howto = SCALEDOBJECT.read_text()
+    for ref in auth["spec"]["secretTargetRef"]:
+        assert f"create secret generic {ref['name']}" in howto
+        assert f"--from-literal={ref['key']}=" in howto
+    # what KEDA's redis scaler does on a live Redis: TYPE, then ZCARD for a sorted set
+    queue = RequestQueue(rconn, keys.queue)
+    queue.enqueue([Request.validated(id=f"k{i}", input="x") for i in range(3)])
+    depth = {}
+    for t in triggers:
+        name = t["metadata"]["listName"]
+        assert rconn.type(name) in ("zset", "none")
+        depth[name] = rconn.zcard(name)
+    assert depth == {keys.pending: 3, keys.delayed: 0}
+    queue.cancel([f"k{i}" for i in range(3)])
+
+
+def test_keda_prometheus_alternative_reads_the_depth_gauge(check: Any) -> None:
+    (so,) = yaml_docs(SCALEDOBJECT_PROMETHEUS)
     assert so["spec"]["minReplicaCount"] >= 1, \
         "with no worker nobody exports batchery_queue_depth: KEDA could not scale up from 0"
-    worker = workers[target]
-    queue = check(container_argv(worker), target, container_env(worker)).params["queue"]
+    queue = scaled_queue(so, check)
     for trigger in so["spec"]["triggers"]:
         assert trigger["type"] == "prometheus"
         query = trigger["metadata"]["query"]
