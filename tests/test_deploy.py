@@ -92,8 +92,12 @@ def check(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _unshell(line: str) -> str:
-    """${VAR:-default} -> default: what the shell runs when VAR is unset."""
-    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", line)
+    """${VAR:-default} -> default (nested too): what the shell runs when VAR is unset."""
+    while True:
+        plain = re.sub(r"\$\{\w+:-([^${}]*)\}", r"\1", line)
+        if plain == line:
+            return line
+        line = plain
 
 
 def _examples(text: str, where: str) -> Iterator[tuple[list[str], str, bool]]:
@@ -447,18 +451,24 @@ def test_procfile_runs_redis_worker_and_jobs(check: Any) -> None:
     assert {"redis", "worker", "jobs"} <= set(procs), "SPEC: redis / worker / jobs processes"
     redis_port = re.search(r"--port\s+(\d+)", procs["redis"])
     assert redis_port and "--appendonly yes" in procs["redis"]
-    commands = {}
+    commands, urls = {}, {}
     for name, line in procs.items():
+        assert "--redis-url" not in line, f"Procfile {name}: a URL on the command line shows its password in ps"
         for part in re.split(r"&&|;", _unshell(line)):
             argv = shlex.split(part)
+            if argv[:1] == ["export"]:
+                key, _, value = argv[1].partition("=")
+                if key == config.ENV_REDIS_URL:
+                    urls[name] = value
             if argv and argv[0] == "exec":
                 argv = argv[1:]
             if argv and argv[0] == "batchery":
                 commands[name] = check(argv, f"Procfile {name}")
     assert commands["worker"].command.name == "worker"
     assert commands["jobs"].command.name == "jobs-worker"
+    assert "${PORT:-" in procs["worker"], "honcho -c worker=2 gives each copy its own $PORT"
     for name, ctx in commands.items():
-        url = ctx.params["redis_url"]
+        url = urls[name]
         assert url.endswith(f":{redis_port.group(1)}/0"), \
             f"Procfile {name}: {url} is not the redis process's port"
 
