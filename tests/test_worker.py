@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
 from batchery.workers.runners.hf import resolve_model
-from tests.conftest import run_cli, start_worker, stop_process, wait_for
+from tests.conftest import free_port, run_cli, start_worker, stop_process, wait_for
 
 
 class Recording(Runner):
@@ -121,8 +122,14 @@ def test_an_operator_set_tokenizer_is_not_overwritten_by_a_worker(redis_url: str
 def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue_name: str,
                                                            tmp_path: Path) -> None:
     run_cli("queue", "config", queue_name, "--lease-seconds", "1", redis_url=redis_url)
+    port = free_port()
     parent = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo", "--concurrency",
-                          "2", log=tmp_path / "pool.log")
+                          "2", "--metrics-port", str(port), log=tmp_path / "pool.log")
+
+    def scraped(name: str) -> float:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.split()[-1]) for line in page.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
 
     def live_workers() -> int:
         stats = json.loads(run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url).stdout)
@@ -135,6 +142,9 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
         done = run_cli("enqueue", "-q", queue_name, "--text", "a", "--text", "b", "--wait",
                        redis_url=redis_url)
         assert done.returncode == 0 and done.stdout.count('"ok"') == 2
+        # one port for the whole pool: the parent adds up its children's metrics
+        wait_for(lambda: scraped("batchery_requests_total{") == 2, 10, interval=0.2,
+                 message="both requests counted on the pool's one metrics port")
         first = children()
         os.kill(min(first), signal.SIGKILL)  # a crashed child is replaced
         wait_for(lambda: len(children()) == 2 and children() != first, 30, interval=0.2,

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
               help="Candidates a claim picks similar lengths from (default 1024, or 4 x max "
               "batch size if more).")
 @click.option("--metrics-port", type=int, envvar="BATCHERY_METRICS_PORT",
-              help="Serve Prometheus metrics here (process i of --concurrency: port + i).")
+              help="Serve Prometheus metrics here (with --concurrency: every process's, added up).")
 @click.option("--concurrency", default=1, show_default=True, type=int,
               help="Worker processes, each with its own model.")
 @click.option("--parallel-batches", type=int,

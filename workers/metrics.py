@@ -24,8 +24,11 @@ QUEUE_WAIT = Histogram("batchery_queue_wait_seconds", "From enqueue to claim", [
                        buckets=SECONDS_BUCKETS)
 INFERENCE = Histogram("batchery_inference_seconds", "Model time per batch",
                       buckets=SECONDS_BUCKETS)
-QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue", "priority"])
-INFLIGHT = Gauge("batchery_inflight", "Requests this worker holds leases on")
+# multiprocess_mode: how --concurrency's parent adds up its children (ignored otherwise)
+QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue", "priority"],
+                    multiprocess_mode="max")  # each process reports the whole queue
+INFLIGHT = Gauge("batchery_inflight", "Requests this worker holds leases on",
+                 multiprocess_mode="livesum")
 RETRIES = Counter("batchery_retries_total", "Failed runs scheduled for another attempt")
 DEAD_LETTERS = Counter("batchery_dead_letters_total", "Requests dead-lettered")
 REDIS_ERRORS = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
@@ -34,7 +37,8 @@ REDIS_ERRORS = Counter("batchery_redis_errors_total", "Permanent Redis errors (a
 REPRICED = Counter("batchery_repriced_total", "Requests a producer priced by estimate, "
                    "counted exactly by this worker before a claim")
 MAX_BATCH_SIZE = Gauge("batchery_max_batch_size", "Largest batch this worker claims: timed "
-                       "at start (workers/calibrate.py) unless --max-batch-size is given")
+                       "at start (workers/calibrate.py) unless --max-batch-size is given",
+                       multiprocess_mode="max")
 OOM_BACKOFFS = Counter("batchery_oom_backoffs_total", "Batches halved after out of memory")
 
 
