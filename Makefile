@@ -2,10 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch, pinned and installed first: a plain `torch` requirement would
-# pull a multi-GB CUDA build. Elsewhere: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# torch, pinned and installed first. With no NVIDIA GPU (no nvidia-smi) its CPU build, from
+# torch's CPU index when that answers: a plain `torch` from PyPI is a multi-GB CUDA build.
+# Override: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or TORCH_INDEX= for none).
 TORCH  ?= torch==2.13.0
-TORCH_INDEX ?=
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -c \
+	"import urllib.request; urllib.request.urlopen('$(CPU_INDEX)/', timeout=3)" >/dev/null 2>&1; \
+	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench install clean

