@@ -37,6 +37,7 @@ DASHBOARD = DEPLOY / "grafana" / "batchery.json"
 SCALEDOBJECT = DEPLOY / "keda" / "scaledobject.yaml"
 SCALEDOBJECT_PROMETHEUS = DEPLOY / "keda" / "scaledobject-prometheus.yaml"
 PROCFILE = ROOT / "Procfile"
+COMPOSE = DEPLOY / "compose"
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped series
 
 
@@ -239,7 +240,8 @@ def test_every_yaml_file_parses() -> None:
     for path in files:
         for doc in yaml_docs(path):
             assert isinstance(doc, dict), f"{path.relative_to(ROOT)}: not a mapping"
-            assert doc.get("apiVersion") and doc.get("kind"), f"{path.relative_to(ROOT)}: no kind"
+            if COMPOSE not in path.parents:  # Kubernetes objects (compose/ has its own test)
+                assert doc.get("apiVersion") and doc.get("kind"), f"{path.relative_to(ROOT)}: no kind"
 
 
 def test_kustomization_lists_real_files_and_images() -> None:
@@ -494,3 +496,45 @@ def test_documented_command_lines_parse(check: Any) -> None:
                 check(shlex.split(_unshell(m.group(1))), f"README Deploy block line {n}")
                 found += 1
     assert found >= 5, "expected documented batchery commands in deploy/ and the README"
+
+
+
+def test_compose_fleet_runs_batchery_against_its_redis_and_scrapes_it(check: Any) -> None:
+    compose = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"redis", "worker", "jobs", "prometheus", "grafana"} <= set(services)
+    assert services["worker"]["deploy"]["replicas"] >= 2
+    assert "--appendonly" in services["redis"]["command"]
+    entry = docker_json("ENTRYPOINT")[2:]  # after tini --
+    commands = {}
+    for name in ("worker", "jobs"):
+        service = services[name]
+        env = {**docker_env(), **service["environment"]}
+        assert env[config.ENV_REDIS_URL].startswith("redis://redis:"), name
+        commands[name] = check([*entry, *service["command"]], f"compose {name}", env)
+    assert commands["worker"].command.name == "worker"
+    assert commands["jobs"].command.name == "jobs-worker"
+    port = commands["worker"].params["metrics_port"]
+    scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
+    assert any(sd["port"] == port and sd["names"] == ["worker"]
+               for job in scrape for sd in job.get("dns_sd_configs", []))
+    for mount in services["grafana"]["volumes"]:
+        source = mount.split(":")[0]
+        assert (COMPOSE / source).resolve().is_file(), f"compose grafana mounts missing {source}"
+    assert (COMPOSE / "../grafana/batchery.json").resolve() == DASHBOARD
+
+
+def test_gpu_overlay_patches_the_worker_deployment_of_the_base() -> None:
+    overlay = K8S / "overlays" / "gpu"
+    k = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert [(overlay / r).resolve() for r in k["resources"]] == [K8S.resolve()]
+    base = deployments()
+    for patch in k["patches"]:
+        (doc,) = yaml_docs(overlay / patch["path"])
+        target = patch["target"]["name"]
+        assert doc["metadata"]["name"] == target and target in base
+        names = {c["name"] for c in containers(base[target])}
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            assert c["name"] in names, f"the GPU patch names no container {c['name']!r} of {target}"
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {i["name"] for i in k["images"]} == {i["name"] for i in kustomization()["images"]}

@@ -205,3 +205,32 @@ def test_a_burst_worker_with_parallel_batches_drains_and_exits(redis_url: str, q
         assert worker.run(burst=True, handle_signals=False) == 0
         assert [h.result(timeout=5).output for h in handles] == [1] * 30
         assert worker.batches_run == 15
+
+
+def test_sigterm_while_the_model_loads_stops_the_worker_at_once(redis_url: str, queue_name: str,
+                                                               tmp_path: Path) -> None:
+    worker = start_worker(redis_url, queue_name, "--task", "embed", "--model", "minilm",
+                          log=tmp_path / "worker.log")
+    wait_for(lambda: "torch" in Path(f"/proc/{worker.pid}/maps").read_text(), 60, interval=0.05,
+             message="the worker to be loading its model")
+    worker.send_signal(signal.SIGTERM)
+    try:
+        code = worker.wait(5)  # not after the load, the warm-up and the batch-size timing
+    finally:
+        stop_process(worker, signal.SIGKILL)
+    assert code in (0, -signal.SIGTERM)
+    with Client(redis_url, queue_name) as client:
+        assert client.queue.stats()["workers"] == 0
+
+
+def test_a_containers_cpu_limit_caps_the_cores_a_worker_sizes_itself_to(tmp_path: Path,
+                                                                        monkeypatch: Any) -> None:
+    from batchery.workers import cli as worker_cli
+    limit = tmp_path / "cpu.max"
+    monkeypatch.setattr(worker_cli, "CGROUP_CPU_MAX", str(limit))
+    affinity = len(os.sched_getaffinity(0))
+    assert worker_cli._cores() == affinity  # no cgroup file: the affinity
+    limit.write_text("150000 100000\n")      # 1.5 CPUs
+    assert worker_cli._cores() == 1
+    limit.write_text("max 100000\n")
+    assert worker_cli._cores() == affinity

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from pathlib import Path
 
 import click
 
@@ -12,6 +13,7 @@ from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,16 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """CPUs this process may use: its affinity, capped by its cgroup's CPU limit (in a
+    container with a 2-CPU limit on a 64-core node, 2, not 64)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(CGROUP_CPU_MAX).read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 limit here
+        pass
+    return n
 
 
 def _set_threads(threads: int | None) -> None:
