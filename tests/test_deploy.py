@@ -538,3 +538,31 @@ def test_gpu_overlay_patches_the_worker_deployment_of_the_base() -> None:
             assert c["name"] in names, f"the GPU patch names no container {c['name']!r} of {target}"
             assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {i["name"] for i in k["images"]} == {i["name"] for i in kustomization()["images"]}
+
+
+K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests are checked against
+
+
+def _merged(base: Any, patch: Any) -> Any:
+    """A strategic merge as kustomize does it for these patches: maps merged, containers by name."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {k: _merged(base[k], v) if k in base else v for k, v in patch.items()} | {
+            k: v for k, v in base.items() if k not in patch}
+    if isinstance(base, list) and isinstance(patch, list) and all(
+            isinstance(i, dict) and "name" in i for i in base + patch):
+        by_name = {i["name"]: i for i in base}
+        return [_merged(by_name[i["name"]], i) if i["name"] in by_name else i for i in patch] + [
+            i for i in base if i["name"] not in {p["name"] for p in patch}]
+    return patch
+
+
+def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    import kubernetes_validate
+    objects = [d for _, d in k8s_objects() if d["kind"] != "PodMonitor"]  # a CRD: no schema
+    overlay = K8S / "overlays" / "gpu"
+    for patch in yaml.safe_load((overlay / "kustomization.yaml").read_text())["patches"]:
+        (doc,) = yaml_docs(overlay / patch["path"])
+        objects.append(_merged(deployments()[doc["metadata"]["name"]], doc))
+    assert {d["kind"] for d in objects} >= {"Deployment", "ConfigMap", "PodDisruptionBudget"}
+    for doc in objects:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
