@@ -379,6 +379,9 @@ def test_dashboard_queries_declared_metrics() -> None:
         assert len(refs) == len(set(refs)), panel["title"]
         queries += [(t["expr"], f"panel {panel['title']!r}", t.get("legendFormat", ""))
                     for t in panel["targets"]]
+        for t in panel["targets"]:  # every panel filters by the queue variable
+            for name, selector in re.findall(r"(batchery_\w+)(\{[^}]*\})?", t["expr"]):
+                assert 'queue=~"$queue"' in selector, f"{panel['title']}: {name} unfiltered"
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     for expr, where, legend in queries:
         used |= check_promql(expr, f"deploy/grafana {where}", legend)

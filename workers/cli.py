@@ -78,6 +78,7 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
         threads = max(1, _cores() // parallel_batches)  # N teams of cores/N, not N of cores
     _set_threads(threads)
     from batchery.workers import metrics
+    metrics.bind(queue)
     if max_batch_size is None:
         from batchery.workers.calibrate import pick_batch_size
         max_batch_size, rates = pick_batch_size(model_runner, max_batch_tokens)

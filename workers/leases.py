@@ -52,7 +52,7 @@ def report_redis_error(operation: str, exc: Exception, retry_in: float) -> None:
     away), an error and the batchery_redis_errors_total metric when Redis refuses the
     command itself (out of memory, no permission), a traceback when it is a bug."""
     if isinstance(exc, redis.RedisError) and not transient(exc):
-        metrics.REDIS_ERRORS.labels(operation).inc()
+        metrics.redis_error(operation).inc()
         log.error("%s refused by Redis (%s: %s); retrying in %.1fs", operation,
                   type(exc).__name__, exc, retry_in)
         return

@@ -19,6 +19,7 @@ import redis
 
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
+from batchery.workers import metrics
 from batchery.workers.claiming import DONE, Claimer
 from batchery.workers.execution import BatchCap, Executor
 from batchery.workers.leases import Heartbeat, Leases
@@ -44,6 +45,7 @@ class Worker:
     def run(self, burst: bool = False, handle_signals: bool = True) -> int:
         """Serve the queue until stopped (or, with ``burst``, until it is drained)."""
         client = self.redis_settings.client()
+        metrics.bind(self.options.queue)
         try:
             queue_ = RequestQueue(client, self.options.queue)
             self._announce(queue_)

@@ -1,4 +1,9 @@
-"""Prometheus metrics of a worker process, declared once with fixed buckets and few labels."""
+"""Prometheus metrics of a worker process, declared once with fixed buckets and few labels.
+
+Every metric carries the worker's queue, so each Grafana panel filters by queue. A
+worker serves one queue: ``bind(queue)`` (at start) points the module's names at that
+queue's children, so callers write ``metrics.BATCH_SIZE.observe(n)`` without the label.
+"""
 
 from __future__ import annotations
 
@@ -12,43 +17,76 @@ TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                    30, 60, 120, 300, 600)
+Q = ["queue"]
 
 REQUESTS = Counter("batchery_requests_total", "Requests finished, by final status",
                    ["queue", "priority", "status"])
-BATCH_SIZE = Histogram("batchery_batch_size", "Requests per batch run", buckets=SIZE_BUCKETS)
-BATCH_TOKENS = Histogram("batchery_batch_tokens", "Padded tokens per batch run",
-                         buckets=TOKEN_BUCKETS)
-PADDING = Histogram("batchery_padding_efficiency", "Real tokens / padded tokens per batch",
-                    buckets=RATIO_BUCKETS)
-QUEUE_WAIT = Histogram("batchery_queue_wait_seconds", "From enqueue to claim", ["priority"],
-                       buckets=SECONDS_BUCKETS)
-INFERENCE = Histogram("batchery_inference_seconds", "Model time per batch",
-                      buckets=SECONDS_BUCKETS)
+QUEUE_WAIT = Histogram("batchery_queue_wait_seconds", "From enqueue to claim",
+                       ["queue", "priority"], buckets=SECONDS_BUCKETS)
 # multiprocess_mode: how --concurrency's parent adds up its children (ignored otherwise)
 QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue", "priority"],
                     multiprocess_mode="max")  # each process reports the whole queue
-INFLIGHT = Gauge("batchery_inflight", "Requests this worker holds leases on",
-                 multiprocess_mode="livesum")
-RETRIES = Counter("batchery_retries_total", "Failed runs scheduled for another attempt")
-DEAD_LETTERS = Counter("batchery_dead_letters_total", "Requests dead-lettered")
-REDIS_ERRORS = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
-                       "Redis refuses, e.g. out of memory) met by the worker, by operation",
-                       ["operation"])
-REPRICED = Counter("batchery_repriced_total", "Requests a producer priced by estimate, "
-                   "counted exactly by this worker before a claim")
-MAX_BATCH_SIZE = Gauge("batchery_max_batch_size", "Largest batch this worker claims: timed "
-                       "at start (workers/calibrate.py) unless --max-batch-size is given",
-                       multiprocess_mode="max")
-OOM_BACKOFFS = Counter("batchery_oom_backoffs_total", "Batches halved after out of memory")
+REDIS_ERRORS_BY = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
+                          "Redis refuses, e.g. out of memory) met by the worker, by operation",
+                          ["queue", "operation"])
+
+# One child per worker queue, chosen by bind().
+_BY_QUEUE = {
+    "BATCH_SIZE": Histogram("batchery_batch_size", "Requests per batch run", Q,
+                            buckets=SIZE_BUCKETS),
+    "BATCH_TOKENS": Histogram("batchery_batch_tokens", "Padded tokens per batch run", Q,
+                              buckets=TOKEN_BUCKETS),
+    "PADDING": Histogram("batchery_padding_efficiency", "Real tokens / padded tokens per "
+                         "batch (a ratio, 0 to 1)", Q, buckets=RATIO_BUCKETS),
+    "INFERENCE": Histogram("batchery_inference_seconds", "Model time per batch", Q,
+                           buckets=SECONDS_BUCKETS),
+    "INFLIGHT": Gauge("batchery_inflight", "Requests this worker holds leases on", Q,
+                      multiprocess_mode="livesum"),
+    "RETRIES": Counter("batchery_retries_total", "Failed runs scheduled for another attempt", Q),
+    "DEAD_LETTERS": Counter("batchery_dead_letters_total", "Requests dead-lettered", Q),
+    "REPRICED": Counter("batchery_repriced_total", "Requests a producer priced by estimate, "
+                        "counted exactly by this worker before a claim", Q),
+    "MAX_BATCH_SIZE": Gauge("batchery_max_batch_size", "Largest batch this worker claims: "
+                            "timed at start (workers/calibrate.py) unless --max-batch-size "
+                            "is given", Q, multiprocess_mode="max"),
+    "OOM_BACKOFFS": Counter("batchery_oom_backoffs_total", "Batches halved after out of memory", Q),
+}
+BATCH_SIZE: Any
+BATCH_TOKENS: Any
+PADDING: Any
+INFERENCE: Any
+INFLIGHT: Any
+RETRIES: Any
+DEAD_LETTERS: Any
+REPRICED: Any
+MAX_BATCH_SIZE: Any
+OOM_BACKOFFS: Any
+_queue = ""
+
+
+def bind(queue: str) -> None:
+    """Label what this process measures from now on with ``queue``."""
+    global _queue
+    _queue = queue
+    globals().update({name: metric.labels(queue) for name, metric in _BY_QUEUE.items()})
+    queue_wait.cache_clear()
+
+
+def redis_error(operation: str) -> Any:
+    """The counter of permanent Redis errors in ``operation`` (commit, fail, claim...)."""
+    return REDIS_ERRORS_BY.labels(_queue, operation)
 
 
 @lru_cache(maxsize=64)
 def queue_wait(priority: str) -> Any:
     """QUEUE_WAIT of one priority class: labels() is slow to call once per request."""
-    return QUEUE_WAIT.labels(priority)
+    return QUEUE_WAIT.labels(_queue, priority)
 
 
 def serve(port: int) -> None:
     """Expose /metrics on ``port`` (0 or None: not at all)."""
     if port:
         start_http_server(port)
+
+
+bind("")  # until the worker knows its queue

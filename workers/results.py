@@ -61,7 +61,7 @@ class ResultWriter(threading.Thread):
         the batch's requests with the reason (retried with backoff, then dead-lettered);
         if even that is refused, release them. Either way stop renewing their leases."""
         ids = [o.request.id for o in executed.outcomes]
-        metrics.REDIS_ERRORS.labels("commit").inc()
+        metrics.redis_error("commit").inc()
         log.error("Redis refused the results of %d request(s): %s: %s; failing them with that "
                   "reason", len(ids), type(error).__name__, error)
         reason = {"type": "RedisError",
@@ -73,12 +73,12 @@ class ResultWriter(threading.Thread):
             metrics.RETRIES.inc(flags.count(1))
             metrics.DEAD_LETTERS.inc(flags.count(2))
         except redis.RedisError as exc:
-            metrics.REDIS_ERRORS.labels("fail").inc()
+            metrics.redis_error("fail").inc()
             log.error("failing them was refused too (%s); releasing them to the queue", exc)
             try:
                 self.queue.release([(o.request.id, o.request.token) for o in executed.outcomes])
             except redis.RedisError as again:  # their leases lapse: the reaper takes them back
-                metrics.REDIS_ERRORS.labels("release").inc()
+                metrics.redis_error("release").inc()
                 log.error("releasing them failed too (%s); their leases will lapse", again)
         self.leases.drop(ids)
 
