@@ -113,7 +113,7 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
         assert "OutOfMemoryError" in results[0].error["message"]
         assert raw.hlen(queue.keys.owner) == 0 and raw.zcard(queue.keys.leased) == 0
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'batchery_redis_errors_total{operation="commit"} 1.0' in metrics
+        assert f'batchery_redis_errors_total{{operation="commit",queue="{queue_name}"}} 1.0' in metrics
         assert worker.poll() is None
     finally:
         stop_process(worker)

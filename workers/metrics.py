@@ -67,9 +67,12 @@ _queue = ""
 def bind(queue: str) -> None:
     """Label what this process measures from now on with ``queue``."""
     global _queue
-    _queue = queue
+    before, _queue = _queue, queue
     globals().update({name: metric.labels(queue) for name, metric in _BY_QUEUE.items()})
     queue_wait.cache_clear()
+    if before == "" and queue:  # the placeholders of import time: not a queue to export
+        for metric in _BY_QUEUE.values():
+            metric.remove("")
 
 
 def redis_error(operation: str) -> Any:
@@ -89,4 +92,5 @@ def serve(port: int) -> None:
         start_http_server(port)
 
 
-bind("")  # until the worker knows its queue
+_queue = None  # type: ignore[assignment]
+bind("")  # placeholders until the worker knows its queue
