@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from batchery.batching.messages import Result
 from batchery.errors import (BatcheryError, ConfigError, InvalidRequest, JobNotFound,
-                             QueueFull, RequestTooLarge, ResultTimeout)
+                             QueueFull, RequestLost, RequestTooLarge, ResultTimeout)
 from batchery.producer.aio import AsyncClient, AsyncHandle
 from batchery.producer.client import Client, Handle
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: setup.cfg reads it
 __all__ = ["AsyncClient", "AsyncHandle", "BatcheryError", "Client", "ConfigError", "Handle",
-           "InvalidRequest", "JobNotFound", "QueueFull", "RequestTooLarge", "Result",
+           "InvalidRequest", "JobNotFound", "QueueFull", "RequestLost", "RequestTooLarge", "Result",
            "ResultTimeout", "__version__"]

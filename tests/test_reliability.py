@@ -172,14 +172,15 @@ def test_an_input_error_fails_at_once_without_retries(redis_url: str, queue_name
 
 
 def test_out_of_memory_halves_batches_and_caps_them(redis_url: str, queue_name: str) -> None:
-    before = REGISTRY.get_sample_value("batchery_oom_backoffs_total") or 0
+    labels = {"queue": queue_name}
+    before = REGISTRY.get_sample_value("batchery_oom_backoffs_total", labels) or 0
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": i} for i in range(64)])
         run_burst(redis_url, queue_name, runners.oom_over_4, max_batch_size=16)
         results = [h.result(timeout=5) for h in handles]
     assert {r.status for r in results} == {"ok"} and {r.attempts for r in results} == {1}
     assert max(r.batch_size for r in results) == 4
-    backoffs = REGISTRY.get_sample_value("batchery_oom_backoffs_total") - before
+    backoffs = REGISTRY.get_sample_value("batchery_oom_backoffs_total", labels) - before
     assert 1 <= backoffs <= 3  # 16 -> 8 -> 4, then the cap keeps later batches at 4
 
 
