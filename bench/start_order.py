@@ -71,7 +71,7 @@ class Worker:
 
     def batch_size(self) -> int:
         page = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics").read().decode()
-        line = next(l for l in page.splitlines() if l.startswith("batchery_max_batch_size "))
+        line = next(l for l in page.splitlines() if l.startswith("batchery_max_batch_size"))
         return int(float(line.split()[1]))
 
     def stop(self) -> None:
