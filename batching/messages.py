@@ -91,7 +91,8 @@ def check_priority(value: Any) -> str:
     if isinstance(value, str) and CLASS_NAME.match(value):
         return value
     raise InvalidRequest(f"priority must be realtime, normal, batch (or a class configured "
-                         f"on the queue) or an integer delay in seconds; got {value!r}")
+                         f"on the queue: lowercase, not inf or nan) or an integer delay in "
+                         f"seconds; got {value!r}")
 
 
 def check_deadline(value: Any) -> float | None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,6 +20,10 @@ from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, dum
 from batchery.batching.scripts import Scripts
 
 DEFAULTS = QueueSettings()
+# the error `dead list` shows for a dead letter whose dead result was deleted
+RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
+               "written to an offline job's output (see its errors there) or expired; "
+               "`batchery dead retry ID` runs it again"}
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
@@ -167,7 +172,8 @@ class RequestQueue:
             return []
         k = self.keys
         args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts,
-                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS]
+                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS,
+                           DEFAULTS.dead_ttl]
         for item in items:
             args += item
         return [int(f) for f in self.scripts.fail(
@@ -183,12 +189,14 @@ class RequestQueue:
         return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
 
     def reap(self, limit: int = 1000) -> tuple[int, int]:
-        """Take back expired leases: (requeued, dead-lettered)."""
+        """Take back expired leases: (requeued, dead-lettered); forget dead letters older
+        than dead_ttl."""
         k = self.keys
-        requeued, dead = self.scripts.reap(
+        requeued, dead, _forgotten = self.scripts.reap(
             [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
              k.stats, k.requests, k.history],
-            [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit])
+            [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit,
+             DEFAULTS.dead_ttl])
         return int(requeued), int(dead)
 
     def release(self, leases: Sequence[tuple[str, str]]) -> int:
@@ -213,20 +221,20 @@ class RequestQueue:
         """Dead-lettered requests, newest first, with their last error."""
         ids = self.client.zrevrange(self.keys.dead, 0, limit - 1)
         results = self.results(ids)
-        return [r or Result(id=i, status="dead") for i, r in zip(ids, results)]
+        return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
 
-    def revive(self, ids: Sequence[str] = ()) -> int:
-        """Send dead requests back to the queue (all when ids is empty)."""
+    def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""
         k = self.keys
         return int(self.scripts.revive([k.dead, k.pending, k.sched, k.attempts, k.depth,
                                         k.requests, k.history],
-                                       [k.result_prefix, *(ids or ["*"])]))
+                                       [k.result_prefix, int(everything), *ids]))
 
-    def purge(self, ids: Sequence[str] = ()) -> int:
-        """Forget dead requests for good (all when ids is empty)."""
+    def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
         k = self.keys
         return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
-                                       k.leased, k.history], list(ids or ["*"])))
+                                       k.leased, k.history], [int(everything), *ids]))
 
     # -- observation -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -258,10 +266,10 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
                        delays, client_id, DEFAULTS.memory_high_water]
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
-        deadline_ms = int(r.deadline * 1000) if r.deadline else 0
+        deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
-                 k.stats], args)
+                 k.stats, k.dead, k.attempts, k.history], args)
 
 
 def cancel_call(k: Keys, ids: Sequence[str]) -> Call:

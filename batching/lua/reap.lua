@@ -4,17 +4,21 @@
 -- KEYS[11] history
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
+-- ARGV[6] default dead_ttl
 -- Each expired lease counts as a failed attempt, recorded in `history`: the request
 -- goes back to pending at its original rank (it keeps its place), or is dead-lettered
 -- after max_attempts, its error the last runner error (else LeaseExpired) followed by
 -- how each attempt ended.
--- Returns {requeued, dead}.
+-- Dead letters older than dead_ttl are forgotten (up to ARGV[5] of them): their working
+-- state and their `dead` entry go, so the id may be enqueued afresh.
+-- Returns {requeued, dead, forgotten}.
 local K = {leased = KEYS[1], owner = KEYS[2], attempts = KEYS[3], pending = KEYS[4],
            sched = KEYS[5], dead = KEYS[6], settings = KEYS[7], depth = KEYS[8],
            stats = KEYS[9], requests = KEYS[10], history = KEYS[11]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
+local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[6]))
 local now = now_ms()
 local ids = rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, dead, counts = 0, 0, {}
@@ -35,7 +39,7 @@ for _, id in ipairs(ids) do
         error = dead_error(history, failures, nil),
         attempts = failures, worker = cjson.null, batch_size = cjson.null,
         queued_ms = now - s.enq, run_ms = cjson.null})
-      commit_result(result_prefix, reply_prefix, id, s.client, json, ttl)
+      commit_result(result_prefix, reply_prefix, id, s.client, json, math.max(ttl, dead_ttl))
       rcall('ZADD', K.dead, now, id)
       dead = dead + 1
     else
@@ -48,4 +52,9 @@ end
 add_depth(K.depth, counts)
 if requeued > 0 then rcall('HINCRBY', K.stats, 'reaped', requeued) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end
-return {requeued, dead}
+local stale = rcall('ZRANGEBYSCORE', K.dead, '-inf', now - dead_ttl * 1000, 'LIMIT', 0, tonumber(ARGV[5]))
+if #stale > 0 then
+  call_chunked('ZREM', K.dead, stale)
+  forget(K, stale)
+end
+return {requeued, dead, #stale}

@@ -1,0 +1,103 @@
+"""Issue 10's protocol findings, each against a real Redis through RequestQueue, Client or CLI."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from batchery import Client, InvalidRequest, Result
+from batchery.batching.messages import Request
+from batchery.batching.queue import RequestQueue
+from batchery.config import QueueSettings
+from batchery.errors import ConfigError
+from tests.conftest import run_cli, wait_for
+
+
+@pytest.fixture
+def queue(rconn: redis.Redis, queue_name: str) -> RequestQueue:
+    return RequestQueue(rconn, queue_name)
+
+
+def fail_all(queue: RequestQueue, claimed: list) -> list[int]:
+    return queue.fail([(r.id, r.token, Result(r.id, "dead", error={
+        "type": "RuntimeError", "message": "boom"}).to_json()) for r in claimed])
+
+
+@pytest.mark.parametrize("name", ["inf", "Infinity", "NAN", "nan", "infinity", "-inf"])
+def test_number_words_are_no_priority_class(name: str, redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue=queue_name) as c:
+        with pytest.raises(ValueError, match="priority"):
+            c.enqueue("x", priority=name)
+    with pytest.raises(ConfigError, match="priority class"):
+        QueueSettings().updated(class_delays={name: 1.0})
+
+
+def test_enqueue_writes_nothing_when_entry_551_of_600_is_bad(queue: RequestQueue) -> None:
+    # built without validation: what reaches the script when a caller skips the checks
+    batch = [Request(id=f"r{i}", input=i) for i in range(600)]
+    batch[550] = Request(id="r550", input=550, priority="nan")
+    with pytest.raises(InvalidRequest, match="unknown priority class 'nan'"):
+        queue.enqueue(batch, "c")
+    k = queue.keys
+    assert [queue.client.exists(key) for key in (k.pending, k.requests, k.sched, k.depth)] == [0] * 4
+    with pytest.raises(InvalidRequest, match="unknown priority class 'inf'"):
+        queue.enqueue([Request(id="r1", input=1, priority="inf")], "c")
+    assert queue.enqueue(batch[:3], "c") == [True] * 3
+
+
+def test_a_duplicate_id_in_one_call_counts_once_and_the_first_payload_wins(queue: RequestQueue) -> None:
+    first, second = Request(id="dup", input="first"), Request(id="dup", input="second")
+    assert queue.enqueue([first, Request(id="other", input=0), second], "c") == [True, True, False]
+    assert queue.stats()["pending_by_priority"] == {"normal": 2}
+    assert queue.stats()["totals"]["enqueued"] == 2
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert sorted((r.id, r.input) for r in claimed) == [("dup", "first"), ("other", 0)]
+    assert queue.stats()["pending_by_priority"] == {}
+
+
+def test_a_deadline_under_a_millisecond_is_a_deadline(queue: RequestQueue) -> None:
+    queue.enqueue([Request.validated(id="soon", input=1, deadline=0.0004)], "c")
+    assert queue.client.hget(queue.keys.sched, "soon").split(":")[1] != "0"
+
+
+def test_dead_purge_and_retry_of_id_star_touch_that_id_only(queue: RequestQueue, redis_url: str) -> None:
+    queue.update_settings(max_attempts=1)
+    queue.enqueue([Request(id=i, input=i) for i in ("*", "a", "b")], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2, 2]
+    name = queue.name
+    assert "1 request(s) back" in run_cli("dead", "retry", "*", "--queue", name,
+                                          redis_url=redis_url).stdout
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
+    assert fail_all(queue, queue.claim("w#2", 10, 10_000, 0, 10).batch) == [2]
+    assert "1 dead request(s) purged" in run_cli("dead", "purge", "*", "--queue", name,
+                                                 redis_url=redis_url).stdout
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
+    assert queue.revive(["a"]) == 1 and queue.purge(["b"]) == 1
+    assert queue.client.zcard(queue.keys.dead) == 0
+
+
+def test_a_dead_result_lives_as_long_as_its_dead_letter(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=1, result_ttl=1, dead_ttl=100)
+    queue.enqueue([Request(id="a", input=1)], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2]
+    assert 60 < queue.client.ttl(queue.keys.result("a")) <= 100
+    assert "boom" in queue.dead()[0].error["message"]
+    queue.forget_results(["a"])  # what an offline job does once the line is in its output
+    assert "dead result (with the error) was deleted" in queue.dead()[0].error["message"]
+
+
+def test_an_expired_dead_letter_never_blocks_its_id(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=1, result_ttl=1, dead_ttl=1)
+    queue.enqueue([Request(id="x", input="old"), Request(id="y", input="old")], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2]
+    wait_for(lambda: queue.result("x") is None, timeout=10)
+    # before any reaper ran: the id whose dead result is gone is new again
+    assert queue.enqueue([Request(id="x", input="new")], "c") == [True]
+    again = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert [(r.id, r.input, r.attempt) for r in again] == [("x", "new", 1)]
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["y"]
+    # the reaper forgets a dead letter older than dead_ttl
+    wait_for(lambda: queue.reap() and queue.client.zcard(queue.keys.dead) == 0, timeout=10)
+    k = queue.keys
+    assert [queue.client.hexists(h, "y") for h in (k.requests, k.sched, k.attempts, k.history)] == [False] * 4
+    assert queue.enqueue([Request(id="y", input="new")], "c") == [True]
