@@ -74,7 +74,8 @@ class RequestQueue:
         return parse_enqueue(reply, requests)
 
     def cancel(self, ids: Sequence[str]) -> list[int]:
-        """1: cancelled while queued, 2: while running (output discarded), 0: too late."""
+        """1: cancelled while queued, 2: while running (output discarded), 3: cancelled
+        already (a retried call after a lost reply, or an earlier cancel), 0: too late."""
         if not ids:
             return []
         call = cancel_call(self.keys, ids)
@@ -139,7 +140,7 @@ class RequestQueue:
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
-             k.settings, k.depth],
+             k.settings, k.depth, k.claim(token)],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
              min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates)])
         return parse_claim(reply, token)

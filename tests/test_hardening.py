@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
+from batchery.batching.scripts import source
 from batchery.config import QueueSettings
+from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
-from tests.conftest import run_cli, wait_for
+from tests.conftest import RedisServer, run_cli, wait_for
+from tests.proxy import FaultyProxy
 
 
 @pytest.fixture
@@ -101,3 +106,46 @@ def test_an_expired_dead_letter_never_blocks_its_id(queue: RequestQueue) -> None
     k = queue.keys
     assert [queue.client.hexists(h, "y") for h in (k.requests, k.sched, k.attempts, k.history)] == [False] * 4
     assert queue.enqueue([Request(id="y", input="new")], "c") == [True]
+
+
+@pytest.fixture
+def flaky(redis_server: RedisServer, queue_name: str) -> Iterator[tuple[FaultyProxy, RequestQueue]]:
+    """The queue through a proxy that can lose a reply, with batchery's retrying client."""
+    proxy = FaultyProxy(redis_server.port)
+    client = RedisSettings.from_url(proxy.url).client()
+    yield proxy, RequestQueue(client, queue_name)
+    client.close()
+    proxy.close()
+
+
+def lose_next_reply(proxy: FaultyProxy, queue: RequestQueue, script: str) -> None:
+    queue.client.script_load(source(script))  # so the lost reply is the script's, not NOSCRIPT
+    proxy.drop_reply_to(getattr(queue.scripts, script).sha.encode())
+
+
+def test_a_retried_claim_returns_the_batch_its_lost_reply_held(
+        queue: RequestQueue, flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id=f"r{i}", input=i) for i in range(3)], "c")
+    lose_next_reply(proxy, through_proxy, "claim")
+    reply = through_proxy.claim("w#1", 10, 10_000, 0, 10)
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert [(r.id, r.input, r.attempt) for r in reply.batch] == [("r0", 0, 1), ("r1", 1, 1), ("r2", 2, 1)]
+    assert queue.client.hgetall(queue.keys.owner) == {"r0": "w#1", "r1": "w#1", "r2": "w#1"}
+    # the batch commits; the same token later leases nothing it no longer holds
+    assert queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in reply.batch],
+                          {}) == [True] * 3
+    assert through_proxy.claim("w#1", 10, 10_000, 0, 10).batch == []
+
+
+def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
+                                             flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id="q", input=1), Request(id="done", input=2)], "c")
+    lose_next_reply(proxy, through_proxy, "cancel")
+    assert through_proxy.cancel(["q"]) == [3]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.result("q").status == "cancelled" and queue.stats()["pending"] == 1
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in claimed], {})
+    assert queue.cancel(["done", "never-enqueued"]) == [0, 0]
