@@ -191,11 +191,12 @@ class Claimed:
     token: str           # the lease token this worker commits with
     invalid: str | None = None  # why the stored request cannot run (not written by a client)
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
+    client: str = ""     # the client that enqueued it, whose reply list gets its result
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
                token: str) -> "Claimed":
-        tokens, expire, enqueued, rank, priority, _client = sched.split(":", 5)
+        tokens, expire, enqueued, rank, priority, client = sched.split(":", 5)
         try:
             body = json.loads(payload) if payload else None
             invalid = None if isinstance(body, dict) else "its stored request is missing"
@@ -204,4 +205,5 @@ class Claimed:
         body = body if isinstance(body, dict) else {}
         return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
                    enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
-                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank))
+                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank),
+                   client=client)

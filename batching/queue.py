@@ -27,6 +27,7 @@ RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
+CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,13 @@ class RequestQueue:
         already (a retried call after a lost reply, or an earlier cancel), 0: too late."""
         if not ids:
             return []
-        call = cancel_call(self.keys, ids)
+        call = cancel_call(self.keys, ids, self.clients(ids))
         return [int(f) for f in self.scripts.cancel(call.keys, call.args)]
+
+    def clients(self, ids: Sequence[str]) -> list[str]:
+        """The client each request was enqueued by ('' for none or unknown): whose reply
+        list a script will push its result onto, to declare in KEYS."""
+        return parse_clients(self.client.hmget(self.keys.sched, list(ids)))
 
     def result(self, request_id: str) -> Result | None:
         raw = self.client.get(self.keys.result(request_id))
@@ -152,8 +158,11 @@ class RequestQueue:
         args = [v for pair in counts for v in pair]
         return int(self.scripts.reprice([self.keys.sched], args))
 
-    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int]) -> list[bool]:
-        """Commit (id, lease token, result JSON) items; False where the lease was lost."""
+    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
+                 clients: Sequence[str] | None = None) -> list[bool]:
+        """Commit (id, lease token, result JSON) items; False where the lease was lost.
+
+        ``clients``: each item's client (``Claimed.client``); None: read from Redis."""
         if not items:
             return []
         k = self.keys
@@ -162,13 +171,20 @@ class RequestQueue:
         for item in items:
             args += item
         flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
-                                       k.settings, k.stats, k.history], args)
+                                       k.settings, k.stats, k.history,
+                                       *self._declared(items, clients)], args)
         return [bool(f) for f in flags]
 
-    def fail(self, items: Sequence[tuple[str, str, str]]) -> list[int]:
+    def _declared(self, items: Sequence[tuple[str, ...]], clients: Sequence[str] | None) -> list[str]:
+        ids = [item[0] for item in items]
+        return declared_keys(self.keys, ids, self.clients(ids) if clients is None else clients)
+
+    def fail(self, items: Sequence[tuple[str, str, str]],
+             clients: Sequence[str] | None = None) -> list[int]:
         """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost.
 
-        A dead letter's error becomes the run's error followed by how each attempt ended."""
+        A dead letter's error becomes the run's error followed by how each attempt ended.
+        ``clients`` as for :meth:`complete`."""
         if not items:
             return []
         k = self.keys
@@ -179,7 +195,7 @@ class RequestQueue:
             args += item
         return [int(f) for f in self.scripts.fail(
             [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
-             k.settings, k.depth, k.stats, k.history], args)]
+             k.settings, k.depth, k.stats, k.history, *self._declared(items, clients)], args)]
 
     def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
         """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
@@ -193,12 +209,20 @@ class RequestQueue:
         """Take back expired leases: (requeued, dead-lettered); forget dead letters older
         than dead_ttl."""
         k = self.keys
-        requeued, dead, _forgotten = self.scripts.reap(
-            [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
-             k.stats, k.requests, k.history],
-            [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit,
-             DEFAULTS.dead_ttl])
-        return int(requeued), int(dead)
+        fixed = [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
+                 k.stats, k.requests, k.history]
+        args = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
+                limit, DEFAULTS.dead_ttl]
+        requeued = dead = 0
+        extra: list[str] = []
+        for _ in range(2):  # a second call declares the keys of those it dead-letters
+            reply = self.scripts.reap(fixed + extra, args)
+            requeued, dead = requeued + int(reply[0]), dead + int(reply[1])
+            pending = reply[3:]  # id, client pairs; the next beat takes any left
+            if not pending:
+                break
+            extra = declared_keys(k, pending[0::2], pending[1::2])
+        return requeued, dead
 
     def release(self, leases: Sequence[tuple[str, str]]) -> int:
         """Return claims this worker will not run to the queue, at their rank."""
@@ -208,11 +232,15 @@ class RequestQueue:
         args = [v for lease in leases for v in lease]
         return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth], args))
 
-    def forget_workers(self, older_than_s: float) -> None:
-        """Drop registry entries of workers not heard from in ``older_than_s`` (they died)."""
-        seconds, micros = self.client.time()
-        cutoff = seconds * 1000 + micros // 1000 - int(older_than_s * 1000)
-        self.client.zremrangebyscore(self.keys.workers, "-inf", cutoff)
+    def forget_workers(self, older_than_s: float) -> int:
+        """Drop registry entries of workers not heard from in ``older_than_s`` (they died);
+        returns how many are live."""
+        return self._workers(max(1, int(older_than_s * 1000)))
+
+    def _workers(self, forget_ms: int = 0) -> int:
+        """Live workers, on the clock of the node that holds the queue (lua/workers.lua)."""
+        k = self.keys
+        return int(self.scripts.workers([k.workers, k.settings], [DEFAULTS.lease_seconds, forget_ms]))
 
     def leave(self, worker_id: str) -> None:
         self.client.zrem(self.keys.workers, worker_id)
@@ -227,9 +255,14 @@ class RequestQueue:
     def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
         """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""
         k = self.keys
-        return int(self.scripts.revive([k.dead, k.pending, k.sched, k.attempts, k.depth,
-                                        k.requests, k.history],
-                                       [k.result_prefix, int(everything), *ids]))
+        ids = self.client.zrange(k.dead, 0, -1) if everything else list(ids)
+        revived = 0
+        for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
+            chunk = ids[start:start + CHUNK]
+            revived += int(self.scripts.revive(
+                [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
+                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+        return revived
 
     def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
         """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
@@ -241,22 +274,17 @@ class RequestQueue:
     def stats(self) -> dict[str, Any]:
         """Depth by class, in flight, dead letters, live workers and running totals."""
         k = self.keys
-        seconds, micros = self.client.time()  # Redis's clock: heartbeats are on it
         pipe = self.client.pipeline(transaction=False)
         pipe.zcard(k.pending)
         pipe.zcard(k.delayed)
         pipe.hgetall(k.depth)
         pipe.zcard(k.leased)
         pipe.zcard(k.dead)
-        pipe.hget(k.settings, "lease_seconds")
-        pipe.zrangebyscore(k.workers, "-inf", "+inf", withscores=True)
         pipe.hgetall(k.stats)
-        pending, delayed, depth, leased, dead, lease_s, workers, totals = pipe.execute()
-        live_after = seconds * 1000 + micros // 1000 - 1000 * float(lease_s or DEFAULTS.lease_seconds)
+        pending, delayed, depth, leased, dead, totals = pipe.execute()
         return {"pending": pending + delayed,
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
-                "inflight": leased, "dead": dead,
-                "workers": sum(1 for _, seen in workers if seen >= live_after),
+                "inflight": leased, "dead": dead, "workers": self._workers(),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
 
@@ -270,18 +298,31 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
-                 k.stats, k.dead, k.attempts, k.history], args)
+                 k.stats, k.dead, k.attempts, k.history, *(k.result(r.id) for r in requests)],
+                args)
 
 
-def cancel_call(k: Keys, ids: Sequence[str]) -> Call:
-    """The cancel script's KEYS and ARGV (see lua/cancel.lua)."""
+def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[str]:
+    """The keys a script writes beyond its fixed ones, declared in KEYS as Redis Cluster
+    demands: the result key of each id, then the reply list of each client ('' none)."""
+    return [*(k.result(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)]
+
+
+def parse_clients(scheds: Sequence[str | None]) -> list[str]:
+    """The client field of sched entries ('' where the request is gone)."""
+    return [s.split(":", 5)[5] if s else "" for s in scheds]
+
+
+def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
+    """The cancel script's KEYS and ARGV (see lua/cancel.lua); ``clients``: who enqueued
+    each id, read just before (a client not declared gets no push; it polls)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl]
     for request_id in ids:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history], args)
+                 k.settings, k.depth, k.stats, k.history, *declared_keys(k, ids, clients)], args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:

@@ -19,7 +19,7 @@ PRODUCER_ACL = (
     "on >producer-secret resetchannels "
     "+ping +evalsha +script|load +info +time "
     "+get +mget +exists +del +sadd +blpop +lpop +rpush +ltrim +expire +set "
-    "+hget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard +zscore "
+    "+hget +hmget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard +zscore "
     "~batchery:queues ~batchery:{*}:pending ~batchery:{*}:delayed ~batchery:{*}:leased "
     "~batchery:{*}:dead "
     "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
@@ -29,7 +29,7 @@ WORKER_ACL = (
     "on >worker-secret resetchannels "
     "+ping +evalsha +script|load +time "
     "+get +set +sadd +blpop +rpush +expire +hget +hmget +hgetall +hexists +hset +hdel "
-    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore "
+    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore +zcount "
     "~batchery:*")
 
 

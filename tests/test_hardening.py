@@ -10,7 +10,7 @@ import redis
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
-from batchery.batching.scripts import source
+from batchery.batching.scripts import NAMES, Scripts, source
 from batchery.config import QueueSettings
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
@@ -149,3 +149,63 @@ def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
     queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in claimed], {})
     assert queue.cancel(["done", "never-enqueued"]) == [0, 0]
+
+
+# Prepended to each script: every keyed command must name a key the caller declared in
+# KEYS, as Redis Cluster demands (a standalone Redis does not check).
+STRICT = """
+local unchecked_call = redis.call
+local declared_keys = {}
+for _, key in ipairs(KEYS) do declared_keys[key] = true end
+local redis = {call = function(command, ...)
+  local key = ...
+  if command ~= 'TIME' and command ~= 'INFO' and not declared_keys[key] then
+    error('undeclared key ' .. tostring(key) .. ' in ' .. command)
+  end
+  return unchecked_call(command, ...)
+end}
+"""
+
+
+class StrictScripts(Scripts):
+    def __init__(self, client: redis.Redis) -> None:
+        for name in NAMES:
+            setattr(self, name, client.register_script(STRICT + source(name)))
+
+
+def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
+    queue.scripts = StrictScripts(queue.client)
+    queue.update_settings(max_attempts=1, lease_seconds=1)
+    assert queue.enqueue([Request(id=i, input=i) for i in ("a", "b", "c", "d", "e")], "c1") == [True] * 5
+    assert queue.enqueue([Request(id="a", input=0)], "c1") == [False]
+    assert queue.cancel(["e"]) == [1] and queue.cancel(["e"]) == [3]
+    a, b, c, d = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert queue.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())], {"requests": 1},
+                          [a.client]) == [True]
+    assert fail_all(queue, [b]) == [2]
+    assert queue.release([(c.id, c.token)]) == 1
+    assert queue.renew("w", [(d.id, d.token)]) == []
+    assert queue.lookup(["a", "b", "c"]) == [queue.result("a"), queue.result("b"), True]
+    assert queue.revive(everything=True) == 1 and queue.purge(["x"], everything=True) == 0
+    wait_for(lambda: queue.reap() == (0, 1), timeout=10)  # d's lease lapsed: dead
+    assert queue.renew("w", []) == []
+    assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
+
+
+def test_stats_and_forget_workers_read_the_queues_own_clock(queue: RequestQueue,
+                                                           rconn: redis.Redis) -> None:
+    """The clock comes from TIME inside a script, on the node that holds the queue, never
+    from the client's TIME (in a Cluster that may ask another node)."""
+    queue.renew("w", [])
+    marker = f"done-{queue.name}"
+    with rconn.monitor() as monitor:
+        queue.forget_workers(3600)
+        assert queue.stats()["workers"] == 1
+        queue.client.echo(marker)
+        seen = []
+        for command in monitor.listen():
+            if marker in command["command"]:
+                break
+            seen.append((command["client_type"], command["command"].split()[0].upper()))
+    assert ("lua", "TIME") in seen
+    assert [c for c in seen if c[1] == "TIME" and c[0] != "lua"] == []

@@ -2,6 +2,7 @@
 -- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
 -- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
 -- KEYS[11] history
+-- KEYS[12..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4..] pairs: id, the cancelled result JSON
 -- Returns {c1..cN}: 1 cancelled while queued; 2 cancelled while running (the worker's
@@ -25,7 +26,7 @@ for i = 4, #ARGV, 2 do
       flag = 2
     end
   else
-    local ok, result = pcall(cjson.decode, rcall('GET', result_prefix .. id) or 'null')
+    local ok, result = pcall(cjson.decode, rcall('GET', result_key(result_prefix, id)) or 'null')
     if ok and type(result) == 'table' and result.status == 'cancelled' then flag = 3 end
   end
   if flag == 1 or flag == 2 then

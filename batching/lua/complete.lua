@@ -1,6 +1,7 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] settings  KEYS[7] stats  KEYS[8] history
+-- KEYS[9..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5..] groups of 3: id, lease token, result JSON
@@ -23,7 +24,7 @@ for i = 1, n do
   local base = 4 + (i - 1) * 3
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
-    rcall('SET', result_prefix .. ids[i], json, 'EX', ttl)
+    rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
     local client = scheds[i] and parse_sched(scheds[i]).client or ''
     if client ~= '' then
       replies[client] = replies[client] or {}

@@ -8,6 +8,7 @@
 -- KEYS[7] delayed    ZSET (counts toward max_pending)
 -- KEYS[8] stats      HASH of totals
 -- KEYS[9] dead       ZSET dead letters   KEYS[10] attempts   KEYS[11] history
+-- KEYS[12..] the result key of each request, in ARGV's order
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -73,7 +74,7 @@ local n = (#ARGV - 6) / 5
 -- longer blocks its id: its leftovers are dropped and the id runs afresh.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 local function known(id)
-  if seen[id] or rcall('EXISTS', result_prefix .. id) == 1 then return true end
+  if seen[id] or rcall('EXISTS', result_key(result_prefix, id)) == 1 then return true end
   if rcall('HEXISTS', K.requests, id) == 0 then return false end
   if rcall('ZSCORE', K.dead, id) then
     stale[#stale + 1] = id

@@ -2,6 +2,7 @@
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
 -- KEYS[11] history
+-- KEYS[12..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
 -- ARGV[5] backoff base ms        ARGV[6] backoff cap ms   ARGV[7] default dead_ttl
