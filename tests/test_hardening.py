@@ -50,6 +50,15 @@ def test_enqueue_writes_nothing_when_entry_551_of_600_is_bad(queue: RequestQueue
     assert queue.enqueue(batch[:3], "c") == [True] * 3
 
 
+def test_a_client_refuses_600_requests_whose_551st_is_bad(redis_url: str, queue: RequestQueue) -> None:
+    entries = [{"id": f"r{i}", "input": i} for i in range(600)]
+    entries[550]["priority"] = "infinity"
+    with Client(redis_url, queue=queue.name) as c:
+        with pytest.raises(ValueError, match="'infinity'"):
+            c.enqueue_many(entries)
+    assert queue.stats()["pending"] == 0 and not queue.client.exists(queue.keys.requests)
+
+
 def test_a_duplicate_id_in_one_call_counts_once_and_the_first_payload_wins(queue: RequestQueue) -> None:
     first, second = Request(id="dup", input="first"), Request(id="dup", input="second")
     assert queue.enqueue([first, Request(id="other", input=0), second], "c") == [True, True, False]
@@ -209,3 +218,15 @@ def test_stats_and_forget_workers_read_the_queues_own_clock(queue: RequestQueue,
             seen.append((command["client_type"], command["command"].split()[0].upper()))
     assert ("lua", "TIME") in seen
     assert [c for c in seen if c[1] == "TIME" and c[0] != "lua"] == []
+
+
+def test_a_retried_complete_reports_the_commit_once(queue: RequestQueue,
+                                                    flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id="a", input=1)], "c")
+    (a,) = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    lose_next_reply(proxy, through_proxy, "complete")
+    assert through_proxy.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())],
+                                  {"requests": 1}) == [True]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.stats()["totals"]["requests"] == 1
