@@ -132,6 +132,8 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
 @click.option("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
 @click.option("--lease-seconds", type=FINITE, help="Claims not renewed this long are taken back.")
 @click.option("--result-ttl", type=int, help="Seconds results stay readable.")
+@click.option("--dead-ttl", type=int, help="Seconds dead letters are kept (then forgotten, and "
+              "their ids may be enqueued again).")
 @click.option("--max-request-bytes", type=int, help="Larger requests are refused at enqueue.")
 @click.option("--fill-from-slower/--no-fill-from-slower", default=None, help="Fill a batch led "
               "by a faster class with slower-class requests (throughput; the default), or run it "
@@ -246,7 +248,8 @@ def request_get(request_id: str, queue: str, redis_url: str | None, cluster: boo
 
 
 CANCEL_OUTCOMES = {1: "cancelled while queued", 2: "cancelled while running (its output is "
-                   "discarded)", 0: "not cancelled: it had finished, or is unknown"}
+                   "discarded)", 3: "cancelled already",
+                   0: "not cancelled: it had finished, or is unknown"}
 
 
 @request_group.command("cancel")
@@ -288,10 +291,11 @@ def dead_list(queue: str, limit: int, as_json: bool, redis_url: str, cluster: bo
         click.echo(f"no dead letters in queue {queue!r}", err=True)
 
 
-def _dead_targets(ids: tuple[str, ...], everything: bool) -> list[str]:
+def _dead_targets(ids: tuple[str, ...], everything: bool) -> dict[str, Any]:
+    """The ids named (``*`` is an id like any other), or every one with --all."""
     if bool(ids) == everything:
         raise ConfigError("name the request ids, or pass --all (not both)")
-    return list(ids)
+    return {"ids": list(ids), "everything": everything}
 
 
 @dead_group.command("retry")
@@ -301,7 +305,7 @@ def _dead_targets(ids: tuple[str, ...], everything: bool) -> list[str]:
 @redis_options
 def dead_retry(ids: tuple[str, ...], everything: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Send dead requests back to the queue with fresh attempts."""
-    n = RequestQueue(connect(redis_url, cluster), queue).revive(_dead_targets(ids, everything))
+    n = RequestQueue(connect(redis_url, cluster), queue).revive(**_dead_targets(ids, everything))
     click.echo(f"{n} request(s) back in queue {queue!r}")
 
 
@@ -312,7 +316,7 @@ def dead_retry(ids: tuple[str, ...], everything: bool, queue: str, redis_url: st
 @redis_options
 def dead_purge(ids: tuple[str, ...], everything: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Forget dead requests for good."""
-    n = RequestQueue(connect(redis_url, cluster), queue).purge(_dead_targets(ids, everything))
+    n = RequestQueue(connect(redis_url, cluster), queue).purge(**_dead_targets(ids, everything))
     click.echo(f"{n} dead request(s) purged from queue {queue!r}")
 
 

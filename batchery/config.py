@@ -26,7 +26,10 @@ EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's privat
 # Seconds added to a request's enqueue time to rank it. A request is overtaken only by
 # requests of a faster class that arrive within (its delay - their delay) after it.
 DEFAULT_CLASS_DELAYS: dict[str, float] = {"realtime": 0.0, "normal": 5.0, "batch": 60.0}
-CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+# A priority class name: lowercase, and never a word Lua or Python reads as a number
+# (inf, infinity, nan), so a name is never taken for a delay. The Lua side reads only
+# digits as a delay (lua/enqueue.lua); everything else is looked up as a class.
+CLASS_NAME = re.compile(r"^(?!(?:inf|infinity|nan)$)[a-z][a-z0-9_-]{0,31}$")
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -57,6 +60,10 @@ class QueueSettings:
     # maxmemory: the rest stays free for results, so workers can always commit. 0: off.
     # No effect on a Redis without maxmemory.
     memory_high_water: float = 0.9
+    # Seconds a dead letter is kept for `batchery dead list|retry` (its dead result at
+    # least as long); then the reaper forgets it and its id may be enqueued afresh.
+    # A week: an operator back from a weekend still finds last Friday's failures.
+    dead_ttl: int = 7 * 86_400
     # A result handed to the client that waited for it (or written to an offline job's
     # output) is deleted from Redis at once; off, it stays for result_ttl.
     delete_delivered: bool = True
@@ -96,7 +103,8 @@ class QueueSettings:
                 raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
         for name, delay in self.class_delays.items():
             if not CLASS_NAME.match(name):
-                raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or '_'")
+                raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or "
+                                  "'_', starting with a letter (not inf, infinity or nan)")
             if not (math.isfinite(delay) and 0 <= delay <= MAX_CLASS_DELAY_S):
                 raise ConfigError(f"class delay for {name!r} must be 0..{MAX_CLASS_DELAY_S} "
                                   f"seconds, got {delay}")
@@ -110,6 +118,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "max_attempts": (1, 1000),
     "lease_seconds": (1, 86_400),             # a day: a lease is a heartbeat's grace, not a job's
     "result_ttl": (1, 366 * 86_400),          # a year
+    "dead_ttl": (1, 366 * 86_400),
     "max_request_bytes": (64, 512 << 20),     # Redis' bulk string limit
     "max_input_tokens": (0, 10_000_000),
     "memory_high_water": (0, 1),

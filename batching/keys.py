@@ -94,6 +94,11 @@ class Keys:
     def reaper_lock(self) -> str:
         return self._key("reaper")
 
+    def claim(self, token: str) -> str:
+        """STRING JSON {"wait", "expired", "batch"}: the ids one claim leased, kept for the
+        lease time so that a retried claim (its reply lost) returns them again."""
+        return self._key("claim:" + token)
+
     @property
     def result_prefix(self) -> str:
         """Prefix of the per-request result keys (STRING JSON with a TTL)."""

@@ -91,7 +91,8 @@ def check_priority(value: Any) -> str:
     if isinstance(value, str) and CLASS_NAME.match(value):
         return value
     raise InvalidRequest(f"priority must be realtime, normal, batch (or a class configured "
-                         f"on the queue) or an integer delay in seconds; got {value!r}")
+                         f"on the queue: lowercase, not inf or nan) or an integer delay in "
+                         f"seconds; got {value!r}")
 
 
 def check_deadline(value: Any) -> float | None:
@@ -190,11 +191,12 @@ class Claimed:
     token: str           # the lease token this worker commits with
     invalid: str | None = None  # why the stored request cannot run (not written by a client)
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
+    client: str = ""     # the client that enqueued it, whose reply list gets its result
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
                token: str) -> "Claimed":
-        tokens, expire, enqueued, rank, priority, _client = sched.split(":", 5)
+        tokens, expire, enqueued, rank, priority, client = sched.split(":", 5)
         try:
             body = json.loads(payload) if payload else None
             invalid = None if isinstance(body, dict) else "its stored request is missing"
@@ -203,4 +205,5 @@ class Claimed:
         body = body if isinstance(body, dict) else {}
         return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
                    enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
-                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank))
+                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank),
+                   client=client)

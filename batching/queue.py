@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,9 +20,14 @@ from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, dum
 from batchery.batching.scripts import Scripts
 
 DEFAULTS = QueueSettings()
+# the error `dead list` shows for a dead letter whose dead result was deleted
+RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
+               "written to an offline job's output (see its errors there) or expired; "
+               "`batchery dead retry ID` runs it again"}
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
+CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,17 @@ class RequestQueue:
         return parse_enqueue(reply, requests)
 
     def cancel(self, ids: Sequence[str]) -> list[int]:
-        """1: cancelled while queued, 2: while running (output discarded), 0: too late."""
+        """1: cancelled while queued, 2: while running (output discarded), 3: cancelled
+        already (a retried call after a lost reply, or an earlier cancel), 0: too late."""
         if not ids:
             return []
-        call = cancel_call(self.keys, ids)
+        call = cancel_call(self.keys, ids, self.clients(ids))
         return [int(f) for f in self.scripts.cancel(call.keys, call.args)]
+
+    def clients(self, ids: Sequence[str]) -> list[str]:
+        """The client each request was enqueued by ('' for none or unknown): whose reply
+        list a script will push its result onto, to declare in KEYS."""
+        return parse_clients(self.client.hmget(self.keys.sched, list(ids)))
 
     def result(self, request_id: str) -> Result | None:
         raw = self.client.get(self.keys.result(request_id))
@@ -134,7 +146,7 @@ class RequestQueue:
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
-             k.settings, k.depth],
+             k.settings, k.depth, k.claim(token)],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
              min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates)])
         return parse_claim(reply, token)
@@ -146,8 +158,11 @@ class RequestQueue:
         args = [v for pair in counts for v in pair]
         return int(self.scripts.reprice([self.keys.sched], args))
 
-    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int]) -> list[bool]:
-        """Commit (id, lease token, result JSON) items; False where the lease was lost."""
+    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
+                 clients: Sequence[str] | None = None) -> list[bool]:
+        """Commit (id, lease token, result JSON) items; False where the lease was lost.
+
+        ``clients``: each item's client (``Claimed.client``); None: read from Redis."""
         if not items:
             return []
         k = self.keys
@@ -156,23 +171,31 @@ class RequestQueue:
         for item in items:
             args += item
         flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
-                                       k.settings, k.stats, k.history], args)
+                                       k.settings, k.stats, k.history,
+                                       *self._declared(items, clients)], args)
         return [bool(f) for f in flags]
 
-    def fail(self, items: Sequence[tuple[str, str, str]]) -> list[int]:
+    def _declared(self, items: Sequence[tuple[str, ...]], clients: Sequence[str] | None) -> list[str]:
+        ids = [item[0] for item in items]
+        return declared_keys(self.keys, ids, self.clients(ids) if clients is None else clients)
+
+    def fail(self, items: Sequence[tuple[str, str, str]],
+             clients: Sequence[str] | None = None) -> list[int]:
         """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost.
 
-        A dead letter's error becomes the run's error followed by how each attempt ended."""
+        A dead letter's error becomes the run's error followed by how each attempt ended.
+        ``clients`` as for :meth:`complete`."""
         if not items:
             return []
         k = self.keys
         args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts,
-                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS]
+                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS,
+                           DEFAULTS.dead_ttl]
         for item in items:
             args += item
         return [int(f) for f in self.scripts.fail(
             [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
-             k.settings, k.depth, k.stats, k.history], args)]
+             k.settings, k.depth, k.stats, k.history, *self._declared(items, clients)], args)]
 
     def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
         """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
@@ -183,13 +206,23 @@ class RequestQueue:
         return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
 
     def reap(self, limit: int = 1000) -> tuple[int, int]:
-        """Take back expired leases: (requeued, dead-lettered)."""
+        """Take back expired leases: (requeued, dead-lettered); forget dead letters older
+        than dead_ttl."""
         k = self.keys
-        requeued, dead = self.scripts.reap(
-            [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
-             k.stats, k.requests, k.history],
-            [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl, limit])
-        return int(requeued), int(dead)
+        fixed = [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
+                 k.stats, k.requests, k.history]
+        args = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
+                limit, DEFAULTS.dead_ttl]
+        requeued = dead = 0
+        extra: list[str] = []
+        for _ in range(2):  # a second call declares the keys of those it dead-letters
+            reply = self.scripts.reap(fixed + extra, args)
+            requeued, dead = requeued + int(reply[0]), dead + int(reply[1])
+            pending = reply[3:]  # id, client pairs; the next beat takes any left
+            if not pending:
+                break
+            extra = declared_keys(k, pending[0::2], pending[1::2])
+        return requeued, dead
 
     def release(self, leases: Sequence[tuple[str, str]]) -> int:
         """Return claims this worker will not run to the queue, at their rank."""
@@ -199,11 +232,15 @@ class RequestQueue:
         args = [v for lease in leases for v in lease]
         return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth], args))
 
-    def forget_workers(self, older_than_s: float) -> None:
-        """Drop registry entries of workers not heard from in ``older_than_s`` (they died)."""
-        seconds, micros = self.client.time()
-        cutoff = seconds * 1000 + micros // 1000 - int(older_than_s * 1000)
-        self.client.zremrangebyscore(self.keys.workers, "-inf", cutoff)
+    def forget_workers(self, older_than_s: float) -> int:
+        """Drop registry entries of workers not heard from in ``older_than_s`` (they died);
+        returns how many are live."""
+        return self._workers(max(1, int(older_than_s * 1000)))
+
+    def _workers(self, forget_ms: int = 0) -> int:
+        """Live workers, on the clock of the node that holds the queue (lua/workers.lua)."""
+        k = self.keys
+        return int(self.scripts.workers([k.workers, k.settings], [DEFAULTS.lease_seconds, forget_ms]))
 
     def leave(self, worker_id: str) -> None:
         self.client.zrem(self.keys.workers, worker_id)
@@ -213,42 +250,43 @@ class RequestQueue:
         """Dead-lettered requests, newest first, with their last error."""
         ids = self.client.zrevrange(self.keys.dead, 0, limit - 1)
         results = self.results(ids)
-        return [r or Result(id=i, status="dead") for i, r in zip(ids, results)]
+        return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
 
-    def revive(self, ids: Sequence[str] = ()) -> int:
-        """Send dead requests back to the queue (all when ids is empty)."""
+    def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""
         k = self.keys
-        return int(self.scripts.revive([k.dead, k.pending, k.sched, k.attempts, k.depth,
-                                        k.requests, k.history],
-                                       [k.result_prefix, *(ids or ["*"])]))
+        ids = self.client.zrange(k.dead, 0, -1) if everything else list(ids)
+        revived = 0
+        for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
+            chunk = ids[start:start + CHUNK]
+            revived += int(self.scripts.revive(
+                [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
+                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+        return revived
 
-    def purge(self, ids: Sequence[str] = ()) -> int:
-        """Forget dead requests for good (all when ids is empty)."""
+    def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
         k = self.keys
         return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
-                                       k.leased, k.history], list(ids or ["*"])))
+                                       k.leased, k.history], [int(everything), *ids]))
 
     # -- observation -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Depth by class, in flight, dead letters, live workers and running totals."""
         k = self.keys
-        seconds, micros = self.client.time()  # Redis's clock: heartbeats are on it
         pipe = self.client.pipeline(transaction=False)
         pipe.zcard(k.pending)
         pipe.zcard(k.delayed)
         pipe.hgetall(k.depth)
         pipe.zcard(k.leased)
         pipe.zcard(k.dead)
-        pipe.hget(k.settings, "lease_seconds")
-        pipe.zrangebyscore(k.workers, "-inf", "+inf", withscores=True)
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
-        pending, delayed, depth, leased, dead, lease_s, workers, totals, paused = pipe.execute()
-        live_after = seconds * 1000 + micros // 1000 - 1000 * float(lease_s or DEFAULTS.lease_seconds)
+        pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
         return {"pending": pending + delayed,
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
-                "workers": sum(1 for _, seen in workers if seen >= live_after),
+                "workers": self._workers(),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
 
@@ -259,21 +297,34 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
                        delays, client_id, DEFAULTS.memory_high_water]
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
-        deadline_ms = int(r.deadline * 1000) if r.deadline else 0
+        deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
-                 k.stats], args)
+                 k.stats, k.dead, k.attempts, k.history, *(k.result(r.id) for r in requests)],
+                args)
 
 
-def cancel_call(k: Keys, ids: Sequence[str]) -> Call:
-    """The cancel script's KEYS and ARGV (see lua/cancel.lua)."""
+def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[str]:
+    """The keys a script writes beyond its fixed ones, declared in KEYS as Redis Cluster
+    demands: the result key of each id, then the reply list of each client ('' none)."""
+    return [*(k.result(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)]
+
+
+def parse_clients(scheds: Sequence[str | None]) -> list[str]:
+    """The client field of sched entries ('' where the request is gone)."""
+    return [s.split(":", 5)[5] if s else "" for s in scheds]
+
+
+def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
+    """The cancel script's KEYS and ARGV (see lua/cancel.lua); ``clients``: who enqueued
+    each id, read just before (a client not declared gets no push; it polls)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl]
     for request_id in ids:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history], args)
+                 k.settings, k.depth, k.stats, k.history, *declared_keys(k, ids, clients)], args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:

@@ -12,13 +12,13 @@ from batchery.batching.keys import QUEUES, Keys
 import redis
 
 from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
-                                     parse_enqueue, parse_lookup)
+                                     parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.scripts import Scripts
 from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
-                                      check_timeout, lost, make_request)
+                                      check_timeout, is_cancelled, lost, make_request)
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
 
@@ -53,7 +53,8 @@ class AsyncHandle:
                                     "stays queued: wait again, or cancel it")
 
     async def cancel(self) -> bool:
-        return (await self._client.cancel([self.id]))[0] > 0
+        """Cancel the request: True unless it had finished otherwise."""
+        return is_cancelled((await self._client.cancel([self.id]))[0], self._future)
 
 
 class AsyncClient:
@@ -182,6 +183,9 @@ class AsyncClient:
         return Result.from_json(raw) if raw else None
 
     async def cancel(self, ids: list[str]) -> list[int]:
-        call = cancel_call(self.keys, ids)
+        if not ids:
+            return []
+        clients = parse_clients(await self._conn.hmget(self.keys.sched, ids))
+        call = cancel_call(self.keys, ids, clients)
         return [int(f) for f in await self._scripts.cancel(call.keys, call.args)]
 

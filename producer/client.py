@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, SimpleQueue
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import CANCELLED, Request, Result
 from batchery.batching.queue import RequestQueue
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -72,6 +72,15 @@ def check_timeout(timeout: float | None) -> float | None:
     return None if timeout is None or math.isinf(timeout) else timeout
 
 
+def is_cancelled(flag: int, future: Any) -> bool:
+    """A cancel's answer: its script's flag (lua/cancel.lua), or, once the cancelled
+    result reached this handle (and was deleted from Redis), that result."""
+    if flag > 0:
+        return True
+    return (future.done() and not future.cancelled() and future.exception() is None
+            and future.result().status == CANCELLED)
+
+
 class Handle:
     """A request that was accepted; wait for its result or cancel it."""
 
@@ -107,8 +116,9 @@ class Handle:
         return self._future.done()
 
     def cancel(self) -> bool:
-        """Cancel the request: True unless it had finished already."""
-        return self._client.queue.cancel([self.id])[0] > 0
+        """Cancel the request: True unless it had finished otherwise (a cancelled request
+        reports True again)."""
+        return is_cancelled(self._client.queue.cancel([self.id])[0], self._future)
 
     def __repr__(self) -> str:
         return f"Handle({self.id!r})"

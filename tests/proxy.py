@@ -8,6 +8,9 @@ Faults, drawn at random per chunk read:
 - ``cut_command``: half of a command chunk is forwarded, then the connection closed:
   Redis discards the partial command;
 - ``delay_s``: every reply is held up to this long.
+
+And one targeted fault: :meth:`drop_reply_to` throws away the reply to the next command
+that contains a marker (a script's SHA, say), as a lost reply on a busy network would.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class FaultyProxy:
         self.faulty.set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._marker: bytes | None = None  # see drop_reply_to
         self._thread = threading.Thread(target=self._accept, name="proxy", daemon=True)
         self._thread.start()
 
@@ -40,8 +44,25 @@ class FaultyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def drop_reply_to(self, marker: bytes) -> None:
+        """Drop the reply to the next command holding ``marker`` (once): the command runs,
+        its connection closes before the caller hears back, so the caller retries it."""
+        with self._lock:
+            self._marker = marker
+
+    def _doom(self, data: bytes) -> bool:
+        with self._lock:
+            if self._marker is not None and self._marker in data:
+                self._marker = None
+                return True
+            return False
+
     def close(self) -> None:
         self._stop.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it
+        except OSError:
+            pass
         self.listener.close()
         self._thread.join(5)
 
@@ -72,6 +93,7 @@ class FaultyProxy:
             return
         server.settimeout(None)
         peers = {client: server, server: client}
+        doomed = False  # the reply on its way answers a command whose reply is to be lost
         with selectors.DefaultSelector() as sel:
             sel.register(client, selectors.EVENT_READ)
             sel.register(server, selectors.EVENT_READ)
@@ -80,6 +102,10 @@ class FaultyProxy:
                     for key, _ in sel.select(timeout=0.5):
                         source: socket.socket = key.fileobj  # type: ignore[assignment]
                         data = source.recv(65536)
+                        if source is server and doomed:
+                            self._count("replies dropped on purpose")
+                            return
+                        doomed = doomed or (source is client and self._doom(data))
                         if not data or not self._forward(data, source is client, peers[source]):
                             return
             except OSError:

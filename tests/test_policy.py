@@ -116,7 +116,8 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
     queue = RequestQueue(client, "policy-agreement")
     k: Keys = queue.keys
     client.delete(*[getattr(k, name) for name in ("pending", "sched", "requests", "leased",
-                                                    "owner", "delayed", "depth", "attempts")])
+                                                    "owner", "delayed", "depth", "attempts")],
+                 k.claim("w#1"))  # a token names one claim: a replay would return its batch
     client.hset(k.settings, "fill_from_slower", int(fill_from_slower))
     server_now = int(client.time()[0]) * 1000
     shift = server_now - NOW  # the same offsets from "now", on the server's clock

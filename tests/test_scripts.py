@@ -123,7 +123,7 @@ def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) 
     time.sleep(0.6)
     last = queue.claim("w#5", 10, 10_000, 0, 10).batch[0]
     assert queue.fail([(last.id, last.token, dead_json)]) == [2]
-    assert queue.purge() == 1
+    assert queue.purge(everything=True) == 1
     assert queue.stats()["dead"] == 0 and not queue.client.hexists(queue.keys.requests, "r0")
 
 
@@ -189,7 +189,7 @@ def test_history_is_clipped_and_goes_with_the_working_state(queue: RequestQueue)
     assert failed(queue, queue.claim("w#4", 10, 10_000, 0, 10).batch) == [2]
     assert queue.result("r0").error["message"] == (
         "boom (attempt 1: RuntimeError: boom; attempt 2: RuntimeError: boom)")
-    assert queue.purge() == 1
+    assert queue.purge(everything=True) == 1
     for key in (queue.keys.history, queue.keys.attempts):
         assert queue.client.hlen(key) == 0
 

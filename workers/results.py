@@ -69,7 +69,7 @@ class ResultWriter(threading.Thread):
         items = [(o.request.id, o.request.token,
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
-            flags = self.queue.fail(items)
+            flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
             metrics.RETRIES.inc(flags.count(1))
             metrics.DEAD_LETTERS.inc(flags.count(2))
         except redis.RedisError as exc:
@@ -92,9 +92,10 @@ class ResultWriter(threading.Thread):
                   **Counter(status for status, _ in encoded)}
         committed = self.queue.complete(
             [(o.request.id, o.request.token, payload) for o, (_, payload) in zip(final, encoded)],
-            totals)
+            totals, [o.request.client for o in final])
         flags = self.queue.fail([(o.request.id, o.request.token,
-                                  self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed])
+                                  self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
+                                [o.request.client for o in failed])
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
         for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request

@@ -46,15 +46,36 @@ local function add_depth(depth_key, counts)
   end
 end
 
+-- Every key a script touches is in KEYS, as Redis Cluster demands: after a script's
+-- fixed keys come the result keys of its ids and the reply lists of their clients
+-- (batching/queue.py declares them). A result key not declared is a caller's bug: an
+-- error. A reply list not declared (its client was not known to the caller, a race
+-- only) is skipped: the waiting client finds the result by polling its key.
+local DECLARED = {}
+for _, key in ipairs(KEYS) do DECLARED[key] = true end
+
+local function result_key(result_prefix, id)
+  local key = result_prefix .. id
+  if not DECLARED[key] then error('batchery: result key not declared in KEYS: ' .. key) end
+  return key
+end
+
+-- The reply list of a client, when there is one and it was declared; else nil.
+local function reply_key(reply_prefix, client)
+  local key = reply_prefix .. (client or '')
+  if client and client ~= '' and DECLARED[key] then return key end
+  return nil
+end
+
 -- A reply list serves one live client instance; one nobody popped for an hour is
 -- garbage (the results stay readable under their own keys for the result TTL).
 local REPLY_TTL = 3600
 
 -- Store a result, and push it to the reply list of the client that waits for it.
 local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
-  rcall('SET', result_prefix .. id, json, 'EX', ttl)
-  if client ~= '' then
-    local reply = reply_prefix .. client
+  rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
+  local reply = reply_key(reply_prefix, client)
+  if reply then
     rcall('RPUSH', reply, json)
     rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
   end
@@ -64,9 +85,11 @@ end
 -- by_client: client id -> list of result JSON, in commit order.
 local function push_replies(reply_prefix, by_client, ttl)
   for client, jsons in pairs(by_client) do
-    local reply = reply_prefix .. client
-    call_chunked('RPUSH', reply, jsons)
-    rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
+    local reply = reply_key(reply_prefix, client)
+    if reply then
+      call_chunked('RPUSH', reply, jsons)
+      rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
+    end
   end
 end
 

@@ -2,10 +2,13 @@
 -- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
 -- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
 -- KEYS[11] history
+-- KEYS[12..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4..] pairs: id, the cancelled result JSON
 -- Returns {c1..cN}: 1 cancelled while queued; 2 cancelled while running (the worker's
---   result will be discarded); 0 not cancellable (finished, dead or unknown).
+--   result will be discarded); 3 cancelled already (its result says so: an earlier
+--   cancel, or this very call retried after its reply was lost); 0 not cancellable
+--   (finished otherwise, dead or unknown).
 local K = {pending = KEYS[1], delayed = KEYS[2], leased = KEYS[3], owner = KEYS[4],
            requests = KEYS[5], sched = KEYS[6], attempts = KEYS[7], settings = KEYS[8],
            depth = KEYS[9], stats = KEYS[10], history = KEYS[11]}
@@ -22,8 +25,11 @@ for i = 4, #ARGV, 2 do
     elseif rcall('HEXISTS', K.owner, id) == 1 then
       flag = 2
     end
+  else
+    local ok, result = pcall(cjson.decode, rcall('GET', result_key(result_prefix, id)) or 'null')
+    if ok and type(result) == 'table' and result.status == 'cancelled' then flag = 3 end
   end
-  if flag > 0 then
+  if flag == 1 or flag == 2 then
     local s = parse_sched(raw)
     if flag == 1 then counts[s.class] = (counts[s.class] or 0) - 1 end
     commit_result(result_prefix, reply_prefix, id, s.client, ARGV[i + 1], ttl)

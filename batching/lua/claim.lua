@@ -8,6 +8,7 @@
 -- KEYS[7] owner      HASH id -> lease token
 -- KEYS[8] settings   HASH
 -- KEYS[9] depth      HASH class -> queued count
+-- KEYS[10] claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from)
@@ -22,14 +23,46 @@
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
 --   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
 --   estimate (scheds and attempts empty): count them, reprice, claim again.
+-- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
+-- lease time; the same token again (the connection retried after a lost reply) gets
+-- the same batch back, less what it no longer holds, and leases nothing new.
 local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
            attempts = KEYS[5], leased = KEYS[6], owner = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9]}
+           depth = KEYS[9], claim = KEYS[10]}
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local now = now_ms()
+
+-- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for the ids still
+-- leased to this token, the expired ones first.
+local function leased_reply(wait, expired_ids, batch_ids)
+  local out_ids, n_expired = {}, 0
+  for part, list in ipairs({expired_ids, batch_ids}) do
+    for _, id in ipairs(list) do
+      if rcall('HGET', K.owner, id) == token then
+        out_ids[#out_ids + 1] = id
+        if part == 1 then n_expired = n_expired + 1 end
+      end
+    end
+  end
+  if #out_ids == 0 then return {now, wait, 0} end
+  local reply = {now, wait, n_expired}
+  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
+  for _, key in ipairs({K.requests, K.sched, K.attempts}) do
+    local values = rcall('HMGET', key, unpack(out_ids))
+    for n = 1, #out_ids do reply[#reply + 1] = values[n] end
+  end
+  return reply
+end
+
+local remembered = rcall('GET', K.claim)
+if remembered then
+  local c = cjson.decode(remembered)
+  return leased_reply(c.wait, c.expired, c.batch)
+end
+
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
 if setting(K.settings, 'paused', 0) ~= 0 then return {now, PAUSED_WAIT_MS, 0} end
 
@@ -135,9 +168,11 @@ if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local out_ids, zargs, oargs, counts = {}, {}, {}, {}
+local expired_ids, batch_ids = {}, {}
 for n, i in ipairs(take) do
   local id, class = ids[i], parse_sched(scheds[i]).class
   out_ids[n] = id
+  if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
   zargs[#zargs + 1] = now + lease_ms
   zargs[#zargs + 1] = id
   oargs[#oargs + 1] = id
@@ -148,12 +183,7 @@ call_chunked('ZREM', K.pending, out_ids)
 call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
 add_depth(K.depth, counts)
-
-local payloads = rcall('HMGET', K.requests, unpack(out_ids))
-local attempts = rcall('HMGET', K.attempts, unpack(out_ids))
-local reply = {now, wait, #expired}
-for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
-for n = 1, #out_ids do reply[#reply + 1] = payloads[n] end
-for _, i in ipairs(take) do reply[#reply + 1] = scheds[i] end
-for n = 1, #out_ids do reply[#reply + 1] = attempts[n] end
-return reply
+-- cjson writes an empty table as {}: the reader iterates either shape the same way
+rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
+      'PX', lease_ms)
+return leased_reply(wait, expired_ids, batch_ids)

@@ -1,11 +1,14 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] settings  KEYS[7] stats  KEYS[8] history
+-- KEYS[9..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5..] groups of 3: id, lease token, result JSON
 -- Returns {c1..cN}: 1 committed; 0 discarded because this claim no longer holds the
 --   lease (it expired and was taken over, or the request was cancelled).
+-- A replay (the connection retried after the reply was lost) finds its own result
+-- stored already: reported 1 again, and the totals are not added twice.
 local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
            owner = KEYS[5], settings = KEYS[6], stats = KEYS[7], history = KEYS[8]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
@@ -18,12 +21,12 @@ for i = 1, n do ids[i] = ARGV[4 + (i - 1) * 3 + 1] end
 local owners = rcall('HMGET', K.owner, unpack(ids))
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
-local done, flags, replies = {}, {}, {}
+local done, flags, replies, replayed = {}, {}, {}, false
 for i = 1, n do
   local base = 4 + (i - 1) * 3
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
-    rcall('SET', result_prefix .. ids[i], json, 'EX', ttl)
+    rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
     local client = scheds[i] and parse_sched(scheds[i]).client or ''
     if client ~= '' then
       replies[client] = replies[client] or {}
@@ -31,13 +34,17 @@ for i = 1, n do
     end
     done[#done + 1] = ids[i]
     flags[i] = 1
+  elseif rcall('GET', result_key(result_prefix, ids[i])) == ARGV[base + 3] then
+    flags[i], replayed = 1, true
   else
     flags[i] = 0
   end
 end
 push_replies(reply_prefix, replies, ttl)
 if #done > 0 then forget(K, done) end
-for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
-  rcall('HINCRBY', K.stats, name, v)
+if not replayed then
+  for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
+    rcall('HINCRBY', K.stats, name, v)
+  end
 end
 return flags

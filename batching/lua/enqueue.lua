@@ -7,6 +7,8 @@
 -- KEYS[6] depth      HASH class -> queued count
 -- KEYS[7] delayed    ZSET (counts toward max_pending)
 -- KEYS[8] stats      HASH of totals
+-- KEYS[9] dead       ZSET dead letters   KEYS[10] attempts   KEYS[11] history
+-- KEYS[12..] the result key of each request, in ARGV's order
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -16,13 +18,15 @@
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
 -- ARGV[7..] groups of 5: id, priority (class name or integer seconds), tokens ("~N": an estimate),
 --           deadline in ms from now (0 = none), request JSON
--- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent);
+-- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
+--         repeated within the call is accepted once, with its first payload);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
 --         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
 --         'memory' (detail: "used_memory/maxmemory");
 --         nothing is written then.
 local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
-           wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8]}
+           wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8],
+           dead = KEYS[9], attempts = KEYS[10], history = KEYS[11]}
 local result_prefix, client = ARGV[1], ARGV[5]
 local max_pending = setting(K.settings, 'max_pending', tonumber(ARGV[2]))
 local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
@@ -30,9 +34,10 @@ local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
 local default_delays = {}
 for class, ms in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do default_delays[class] = tonumber(ms) end
 local delays = {}
+-- One rule with batchery/config.py CLASS_NAME: digits alone are a delay in seconds,
+-- anything else a class name (never tonumber(): it reads 'inf' and 'nan' as numbers).
 local function delay_of(priority)
-  local seconds = tonumber(priority)
-  if seconds then return math.floor(seconds * 1000), nil end
+  if string.match(priority, '^%d+$') then return tonumber(priority) * 1000, nil end
   if delays[priority] == nil then
     local v = rcall('HGET', K.settings, 'delay:' .. priority)
     delays[priority] = v and math.floor(tonumber(v) * 1000) or default_delays[priority] or false
@@ -63,14 +68,27 @@ local function over_high_water(incoming)
   return nil
 end
 
+-- Every entry is checked before anything is written: a refusal leaves no trace.
 local n = (#ARGV - 6) / 5
-local status, fresh, incoming = {}, 0, 0
+-- A dead letter whose dead result is gone (expired, or written to a job's output) no
+-- longer blocks its id: its leftovers are dropped and the id runs afresh.
+local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
+local function known(id)
+  if seen[id] or rcall('EXISTS', result_key(result_prefix, id)) == 1 then return true end
+  if rcall('HEXISTS', K.requests, id) == 0 then return false end
+  if rcall('ZSCORE', K.dead, id) then
+    stale[#stale + 1] = id
+    return false
+  end
+  return true
+end
 for i = 1, n do
   local base = 6 + (i - 1) * 5
   local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
-  if rcall('HEXISTS', K.requests, id) == 1 or rcall('EXISTS', result_prefix .. id) == 1 then
-    status[i] = 0
+  if known(id) then
+    status[i] = 0  -- known already, or earlier in this call: the first one stands
   else
+    seen[id] = true
     if #payload > max_bytes then return {0, 'too_large', i, max_bytes} end
     if not delay_of(priority) then return {0, 'priority', i, priority} end
     status[i] = 1
@@ -108,6 +126,11 @@ for i = 1, n do
   end
 end
 if fresh > 0 then
+  if #stale > 0 then
+    call_chunked('ZREM', K.dead, stale)
+    call_chunked('HDEL', K.attempts, stale)
+    call_chunked('HDEL', K.history, stale)
+  end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('HSET', K.requests, hargs)
   call_chunked('HSET', K.sched, sargs)

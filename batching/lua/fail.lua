@@ -2,14 +2,16 @@
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
 -- KEYS[11] history
+-- KEYS[12..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
--- ARGV[5] backoff base ms        ARGV[6] backoff cap ms
--- ARGV[7..] groups of 3: id, lease token, the dead result JSON (its error is the run's)
+-- ARGV[5] backoff base ms        ARGV[6] backoff cap ms   ARGV[7] default dead_ttl
+-- ARGV[8..] groups of 3: id, lease token, the dead result JSON (its error is the run's)
 -- Each failure appends the run's error to the request's `history`. The n-th failure
 -- waits min(cap, base * 2^(n-1)) ms in `delayed`; failure number max_attempts commits
 -- the dead result, its error now this run's followed by how each attempt ended, adds
--- the id to `dead`, and keeps the request (for `batchery dead retry`).
+-- the id to `dead`, and keeps the request (for `batchery dead retry`) until the reaper
+-- forgets it after dead_ttl; the dead result lives max(result_ttl, dead_ttl).
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
 local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
            owner = KEYS[5], delayed = KEYS[6], dead = KEYS[7], settings = KEYS[8],
@@ -18,10 +20,11 @@ local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
 local base_ms, cap_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[7]))
 local now = now_ms()
 local flags, counts, retried, dead = {}, {}, 0, 0
-for i = 1, (#ARGV - 6) / 3 do
-  local base = 6 + (i - 1) * 3
+for i = 1, (#ARGV - 7) / 3 do
+  local base = 7 + (i - 1) * 3
   local id, token = ARGV[base + 1], ARGV[base + 2]
   if rcall('HGET', K.owner, id) ~= token then
     flags[i] = 0
@@ -42,7 +45,7 @@ for i = 1, (#ARGV - 6) / 3 do
         result.error = dead_error(history, failures, ending)
         json = cjson.encode(result)
       end
-      commit_result(result_prefix, reply_prefix, id, s.client or '', json, ttl)
+      commit_result(result_prefix, reply_prefix, id, s.client or '', json, math.max(ttl, dead_ttl))
       rcall('ZADD', K.dead, now, id)
       flags[i], dead = 2, dead + 1
     else

@@ -1,14 +1,15 @@
 -- purge: forget dead-lettered requests for good (`batchery dead purge`).
 -- KEYS[1] dead  KEYS[2] requests  KEYS[3] sched  KEYS[4] attempts  KEYS[5] owner
 -- KEYS[6] leased  KEYS[7] history
--- ARGV[1..] ids ('*' alone: every dead request)
+-- ARGV[1] 1: every dead request; 0: only the ids that follow
+-- ARGV[2..] ids (any string, '*' included, is one id)
 -- Their dead results stay readable until the result TTL.
 -- Returns the number purged.
 local K = {dead = KEYS[1], requests = KEYS[2], sched = KEYS[3], attempts = KEYS[4],
            owner = KEYS[5], leased = KEYS[6], history = KEYS[7]}
 local ids = {}
-if ARGV[1] == '*' then ids = rcall('ZRANGE', K.dead, 0, -1) else
-  for i = 1, #ARGV do
+if ARGV[1] == '1' then ids = rcall('ZRANGE', K.dead, 0, -1) else
+  for i = 2, #ARGV do
     if rcall('ZSCORE', K.dead, ARGV[i]) then ids[#ids + 1] = ARGV[i] end
   end
 end

@@ -1,51 +1,85 @@
--- reap: take back expired leases (their worker died or hung).
+-- reap: take back expired leases (their worker died or hung), forget old dead letters.
 -- KEYS[1] leased  KEYS[2] owner  KEYS[3] attempts  KEYS[4] pending  KEYS[5] sched
 -- KEYS[6] dead    KEYS[7] settings  KEYS[8] depth  KEYS[9] stats  KEYS[10] requests
 -- KEYS[11] history
+-- KEYS[12..] result keys and reply lists of requests a previous call returned as
+--   `undeclared` (none on a first call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
+-- ARGV[6] default dead_ttl
 -- Each expired lease counts as a failed attempt, recorded in `history`: the request
 -- goes back to pending at its original rank (it keeps its place), or is dead-lettered
 -- after max_attempts, its error the last runner error (else LeaseExpired) followed by
--- how each attempt ended.
--- Returns {requeued, dead}.
+-- how each attempt ended. Dead-lettering writes the request's result key (and its
+-- client's reply list): one not declared is left as it is and returned, for the caller
+-- to declare in a second call.
+-- Dead letters older than dead_ttl are forgotten (up to ARGV[5] of them): their working
+-- state and their `dead` entry go, so the id may be enqueued afresh.
+-- Returns {requeued, dead, forgotten, undeclared pairs: id, client ...}.
 local K = {leased = KEYS[1], owner = KEYS[2], attempts = KEYS[3], pending = KEYS[4],
            sched = KEYS[5], dead = KEYS[6], settings = KEYS[7], depth = KEYS[8],
            stats = KEYS[9], requests = KEYS[10], history = KEYS[11]}
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
+local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[6]))
 local now = now_ms()
 local ids = rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
-local requeued, dead, counts = 0, 0, {}
-for _, id in ipairs(ids) do
+local requeued, dead, counts, undeclared = 0, 0, {}, {}
+
+-- Dead-letter s's request when this lapse is its last attempt: false when its keys
+-- were not declared (nothing written then).
+local function lapse(id, s)
+  local failures = tonumber(rcall('HGET', K.attempts, id) or '0') + 1
+  if failures >= max_attempts then
+    local keys_declared = DECLARED[result_prefix .. id] and
+      (s.client == '' or reply_key(reply_prefix, s.client))
+    if not keys_declared then return false end
+  end
   rcall('ZREM', K.leased, id)
   rcall('HDEL', K.owner, id)
+  rcall('HSET', K.attempts, id, failures)
+  local history = record_ending(K.history, id, LEASE_EXPIRED, max_attempts)
+  if failures >= max_attempts then
+    local json = cjson.encode({id = id, status = 'dead', output = cjson.null,
+      error = dead_error(history, failures, nil),
+      attempts = failures, worker = cjson.null, batch_size = cjson.null,
+      queued_ms = now - s.enq, run_ms = cjson.null})
+    commit_result(result_prefix, reply_prefix, id, s.client, json, math.max(ttl, dead_ttl))
+    rcall('ZADD', K.dead, now, id)
+    dead = dead + 1
+  else
+    rcall('ZADD', K.pending, s.rank, id)
+    counts[s.class] = (counts[s.class] or 0) + 1
+    requeued = requeued + 1
+  end
+  return true
+end
+
+for _, id in ipairs(ids) do
   local raw = rcall('HGET', K.sched, id)
   if not raw or rcall('HEXISTS', K.requests, id) == 0 then
-    rcall('HDEL', K.sched, id)  -- nothing left to run
+    rcall('ZREM', K.leased, id)  -- nothing left to run
+    rcall('HDEL', K.owner, id)
+    rcall('HDEL', K.sched, id)
     rcall('HDEL', K.attempts, id)
     rcall('HDEL', K.history, id)
   else
     local s = parse_sched(raw)
-    local failures = rcall('HINCRBY', K.attempts, id, 1)
-    local history = record_ending(K.history, id, LEASE_EXPIRED, max_attempts)
-    if failures >= max_attempts then
-      local json = cjson.encode({id = id, status = 'dead', output = cjson.null,
-        error = dead_error(history, failures, nil),
-        attempts = failures, worker = cjson.null, batch_size = cjson.null,
-        queued_ms = now - s.enq, run_ms = cjson.null})
-      commit_result(result_prefix, reply_prefix, id, s.client, json, ttl)
-      rcall('ZADD', K.dead, now, id)
-      dead = dead + 1
-    else
-      rcall('ZADD', K.pending, s.rank, id)
-      counts[s.class] = (counts[s.class] or 0) + 1
-      requeued = requeued + 1
+    if not lapse(id, s) then
+      undeclared[#undeclared + 1] = id
+      undeclared[#undeclared + 1] = s.client
     end
   end
 end
 add_depth(K.depth, counts)
 if requeued > 0 then rcall('HINCRBY', K.stats, 'reaped', requeued) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end
-return {requeued, dead}
+local stale = rcall('ZRANGEBYSCORE', K.dead, '-inf', now - dead_ttl * 1000, 'LIMIT', 0, tonumber(ARGV[5]))
+if #stale > 0 then
+  call_chunked('ZREM', K.dead, stale)
+  forget(K, stale)
+end
+local reply = {requeued, dead, #stale}
+for _, v in ipairs(undeclared) do reply[#reply + 1] = v end
+return reply

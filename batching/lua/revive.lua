@@ -1,24 +1,23 @@
 -- revive: send dead-lettered requests back to the queue (`batchery dead retry`).
 -- KEYS[1] dead  KEYS[2] pending  KEYS[3] sched  KEYS[4] attempts  KEYS[5] depth
 -- KEYS[6] requests  KEYS[7] history
--- ARGV[1] result key prefix   ARGV[2..] ids ('*' alone: every dead request)
+-- KEYS[8..] the result key of each id, in ARGV's order
+-- ARGV[1] result key prefix   ARGV[2..] ids (any string, '*' included, is one id; the
+--   caller lists every dead letter for `--all`)
 -- Each gets a fresh attempt count and history, and its original rank, so it runs soon;
 -- its dead result is deleted so that the new run commits the one result.
 -- Returns the number revived.
 local K = {dead = KEYS[1], pending = KEYS[2], sched = KEYS[3], attempts = KEYS[4],
            depth = KEYS[5], requests = KEYS[6], history = KEYS[7]}
-local ids = {}
-if ARGV[2] == '*' then ids = rcall('ZRANGE', K.dead, 0, -1) else
-  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
-end
 local revived, counts = 0, {}
-for _, id in ipairs(ids) do
+for i = 2, #ARGV do
+  local id = ARGV[i]
   local raw = rcall('HGET', K.sched, id)
   if rcall('ZREM', K.dead, id) == 1 and raw and rcall('HEXISTS', K.requests, id) == 1 then
     local s = parse_sched(raw)
     rcall('HDEL', K.attempts, id)
     rcall('HDEL', K.history, id)
-    rcall('DEL', ARGV[1] .. id)
+    rcall('DEL', result_key(ARGV[1], id))
     rcall('ZADD', K.pending, s.rank, id)
     counts[s.class] = (counts[s.class] or 0) + 1
     revived = revived + 1

@@ -1,0 +1,232 @@
+"""Issue 10's protocol findings, each against a real Redis through RequestQueue, Client or CLI."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import redis
+
+from batchery import Client, InvalidRequest, Result
+from batchery.batching.messages import Request
+from batchery.batching.queue import RequestQueue
+from batchery.batching.scripts import NAMES, Scripts, source
+from batchery.config import QueueSettings
+from batchery.connection import RedisSettings
+from batchery.errors import ConfigError
+from tests.conftest import RedisServer, run_cli, wait_for
+from tests.proxy import FaultyProxy
+
+
+@pytest.fixture
+def queue(rconn: redis.Redis, queue_name: str) -> RequestQueue:
+    return RequestQueue(rconn, queue_name)
+
+
+def fail_all(queue: RequestQueue, claimed: list) -> list[int]:
+    return queue.fail([(r.id, r.token, Result(r.id, "dead", error={
+        "type": "RuntimeError", "message": "boom"}).to_json()) for r in claimed])
+
+
+@pytest.mark.parametrize("name", ["inf", "Infinity", "NAN", "nan", "infinity", "-inf"])
+def test_number_words_are_no_priority_class(name: str, redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue=queue_name) as c:
+        with pytest.raises(ValueError, match="priority"):
+            c.enqueue("x", priority=name)
+    with pytest.raises(ConfigError, match="priority class"):
+        QueueSettings().updated(class_delays={name: 1.0})
+
+
+def test_enqueue_writes_nothing_when_entry_551_of_600_is_bad(queue: RequestQueue) -> None:
+    # built without validation: what reaches the script when a caller skips the checks
+    batch = [Request(id=f"r{i}", input=i) for i in range(600)]
+    batch[550] = Request(id="r550", input=550, priority="nan")
+    with pytest.raises(InvalidRequest, match="unknown priority class 'nan'"):
+        queue.enqueue(batch, "c")
+    k = queue.keys
+    assert [queue.client.exists(key) for key in (k.pending, k.requests, k.sched, k.depth)] == [0] * 4
+    with pytest.raises(InvalidRequest, match="unknown priority class 'inf'"):
+        queue.enqueue([Request(id="r1", input=1, priority="inf")], "c")
+    assert queue.enqueue(batch[:3], "c") == [True] * 3
+
+
+def test_a_client_refuses_600_requests_whose_551st_is_bad(redis_url: str, queue: RequestQueue) -> None:
+    entries = [{"id": f"r{i}", "input": i} for i in range(600)]
+    entries[550]["priority"] = "infinity"
+    with Client(redis_url, queue=queue.name) as c:
+        with pytest.raises(ValueError, match="'infinity'"):
+            c.enqueue_many(entries)
+    assert queue.stats()["pending"] == 0 and not queue.client.exists(queue.keys.requests)
+
+
+def test_a_duplicate_id_in_one_call_counts_once_and_the_first_payload_wins(queue: RequestQueue) -> None:
+    first, second = Request(id="dup", input="first"), Request(id="dup", input="second")
+    assert queue.enqueue([first, Request(id="other", input=0), second], "c") == [True, True, False]
+    assert queue.stats()["pending_by_priority"] == {"normal": 2}
+    assert queue.stats()["totals"]["enqueued"] == 2
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert sorted((r.id, r.input) for r in claimed) == [("dup", "first"), ("other", 0)]
+    assert queue.stats()["pending_by_priority"] == {}
+
+
+def test_a_deadline_under_a_millisecond_is_a_deadline(queue: RequestQueue) -> None:
+    queue.enqueue([Request.validated(id="soon", input=1, deadline=0.0004)], "c")
+    assert queue.client.hget(queue.keys.sched, "soon").split(":")[1] != "0"
+
+
+def test_dead_purge_and_retry_of_id_star_touch_that_id_only(queue: RequestQueue, redis_url: str) -> None:
+    queue.update_settings(max_attempts=1)
+    queue.enqueue([Request(id=i, input=i) for i in ("*", "a", "b")], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2, 2]
+    name = queue.name
+    assert "1 request(s) back" in run_cli("dead", "retry", "*", "--queue", name,
+                                          redis_url=redis_url).stdout
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
+    assert fail_all(queue, queue.claim("w#2", 10, 10_000, 0, 10).batch) == [2]
+    assert "1 dead request(s) purged" in run_cli("dead", "purge", "*", "--queue", name,
+                                                 redis_url=redis_url).stdout
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
+    assert queue.revive(["a"]) == 1 and queue.purge(["b"]) == 1
+    assert queue.client.zcard(queue.keys.dead) == 0
+
+
+def test_a_dead_result_lives_as_long_as_its_dead_letter(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=1, result_ttl=1, dead_ttl=100)
+    queue.enqueue([Request(id="a", input=1)], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2]
+    assert 60 < queue.client.ttl(queue.keys.result("a")) <= 100
+    assert "boom" in queue.dead()[0].error["message"]
+    queue.forget_results(["a"])  # what an offline job does once the line is in its output
+    assert "dead result (with the error) was deleted" in queue.dead()[0].error["message"]
+
+
+def test_an_expired_dead_letter_never_blocks_its_id(queue: RequestQueue) -> None:
+    queue.update_settings(max_attempts=1, result_ttl=1, dead_ttl=1)
+    queue.enqueue([Request(id="x", input="old"), Request(id="y", input="old")], "c")
+    assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2]
+    wait_for(lambda: queue.result("x") is None, timeout=10)
+    # before any reaper ran: the id whose dead result is gone is new again
+    assert queue.enqueue([Request(id="x", input="new")], "c") == [True]
+    again = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert [(r.id, r.input, r.attempt) for r in again] == [("x", "new", 1)]
+    assert queue.client.zrange(queue.keys.dead, 0, -1) == ["y"]
+    # the reaper forgets a dead letter older than dead_ttl
+    wait_for(lambda: queue.reap() and queue.client.zcard(queue.keys.dead) == 0, timeout=10)
+    k = queue.keys
+    assert [queue.client.hexists(h, "y") for h in (k.requests, k.sched, k.attempts, k.history)] == [False] * 4
+    assert queue.enqueue([Request(id="y", input="new")], "c") == [True]
+
+
+@pytest.fixture
+def flaky(redis_server: RedisServer, queue_name: str) -> Iterator[tuple[FaultyProxy, RequestQueue]]:
+    """The queue through a proxy that can lose a reply, with batchery's retrying client."""
+    proxy = FaultyProxy(redis_server.port)
+    client = RedisSettings.from_url(proxy.url).client()
+    yield proxy, RequestQueue(client, queue_name)
+    client.close()
+    proxy.close()
+
+
+def lose_next_reply(proxy: FaultyProxy, queue: RequestQueue, script: str) -> None:
+    queue.client.script_load(source(script))  # so the lost reply is the script's, not NOSCRIPT
+    proxy.drop_reply_to(getattr(queue.scripts, script).sha.encode())
+
+
+def test_a_retried_claim_returns_the_batch_its_lost_reply_held(
+        queue: RequestQueue, flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id=f"r{i}", input=i) for i in range(3)], "c")
+    lose_next_reply(proxy, through_proxy, "claim")
+    reply = through_proxy.claim("w#1", 10, 10_000, 0, 10)
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert [(r.id, r.input, r.attempt) for r in reply.batch] == [("r0", 0, 1), ("r1", 1, 1), ("r2", 2, 1)]
+    assert queue.client.hgetall(queue.keys.owner) == {"r0": "w#1", "r1": "w#1", "r2": "w#1"}
+    # the batch commits; the same token later leases nothing it no longer holds
+    assert queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in reply.batch],
+                          {}) == [True] * 3
+    assert through_proxy.claim("w#1", 10, 10_000, 0, 10).batch == []
+
+
+def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
+                                             flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id="q", input=1), Request(id="done", input=2)], "c")
+    lose_next_reply(proxy, through_proxy, "cancel")
+    assert through_proxy.cancel(["q"]) == [3]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.result("q").status == "cancelled" and queue.stats()["pending"] == 1
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in claimed], {})
+    assert queue.cancel(["done", "never-enqueued"]) == [0, 0]
+
+
+# Prepended to each script: every keyed command must name a key the caller declared in
+# KEYS, as Redis Cluster demands (a standalone Redis does not check).
+STRICT = """
+local unchecked_call = redis.call
+local declared_keys = {}
+for _, key in ipairs(KEYS) do declared_keys[key] = true end
+local redis = {call = function(command, ...)
+  local key = ...
+  if command ~= 'TIME' and command ~= 'INFO' and not declared_keys[key] then
+    error('undeclared key ' .. tostring(key) .. ' in ' .. command)
+  end
+  return unchecked_call(command, ...)
+end}
+"""
+
+
+class StrictScripts(Scripts):
+    def __init__(self, client: redis.Redis) -> None:
+        for name in NAMES:
+            setattr(self, name, client.register_script(STRICT + source(name)))
+
+
+def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
+    queue.scripts = StrictScripts(queue.client)
+    queue.update_settings(max_attempts=1, lease_seconds=1)
+    assert queue.enqueue([Request(id=i, input=i) for i in ("a", "b", "c", "d", "e")], "c1") == [True] * 5
+    assert queue.enqueue([Request(id="a", input=0)], "c1") == [False]
+    assert queue.cancel(["e"]) == [1] and queue.cancel(["e"]) == [3]
+    a, b, c, d = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert queue.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())], {"requests": 1},
+                          [a.client]) == [True]
+    assert fail_all(queue, [b]) == [2]
+    assert queue.release([(c.id, c.token)]) == 1
+    assert queue.renew("w", [(d.id, d.token)]) == []
+    assert queue.lookup(["a", "b", "c"]) == [queue.result("a"), queue.result("b"), True]
+    assert queue.revive(everything=True) == 1 and queue.purge(["x"], everything=True) == 0
+    wait_for(lambda: queue.reap() == (0, 1), timeout=10)  # d's lease lapsed: dead
+    assert queue.renew("w", []) == []
+    assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
+
+
+def test_stats_and_forget_workers_read_the_queues_own_clock(queue: RequestQueue,
+                                                           rconn: redis.Redis) -> None:
+    """The clock comes from TIME inside a script, on the node that holds the queue, never
+    from the client's TIME (in a Cluster that may ask another node)."""
+    queue.renew("w", [])
+    marker = f"done-{queue.name}"
+    with rconn.monitor() as monitor:
+        queue.forget_workers(3600)
+        assert queue.stats()["workers"] == 1
+        queue.client.echo(marker)
+        seen = []
+        for command in monitor.listen():
+            if marker in command["command"]:
+                break
+            seen.append((command["client_type"], command["command"].split()[0].upper()))
+    assert ("lua", "TIME") in seen
+    assert [c for c in seen if c[1] == "TIME" and c[0] != "lua"] == []
+
+
+def test_a_retried_complete_reports_the_commit_once(queue: RequestQueue,
+                                                    flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    queue.enqueue([Request(id="a", input=1)], "c")
+    (a,) = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    lose_next_reply(proxy, through_proxy, "complete")
+    assert through_proxy.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())],
+                                  {"requests": 1}) == [True]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.stats()["totals"]["requests"] == 1
