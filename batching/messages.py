@@ -12,8 +12,6 @@ from batchery.config import CLASS_NAME
 from batchery.errors import InvalidRequest
 
 OK, ERROR, EXPIRED, CANCELLED, DEAD = "ok", "error", "expired", "cancelled", "dead"
-STATUSES = (OK, ERROR, EXPIRED, CANCELLED, DEAD)
-PRIORITY_CLASSES = ("realtime", "normal", "batch")
 MAX_ID_LENGTH = 512
 MAX_DEADLINE_S = 30 * 86_400
 MAX_TOKENS = 10_000_000
@@ -93,6 +91,21 @@ def check_priority(value: Any) -> str:
     raise InvalidRequest(f"priority must be realtime, normal, batch (or a class configured "
                          f"on the queue: lowercase, not inf or nan) or an integer delay in "
                          f"seconds; got {value!r}")
+
+
+def parse_priority(text: str) -> str | int:
+    """A priority as typed on a command line: digits are a delay in seconds (a leading
+    minus too, so that check_priority can say why it is refused), anything else a class."""
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def unknown_class(priority: str, class_delays: Any) -> str | None:
+    """Why a checked priority cannot run on a queue with these class delays, or None."""
+    if priority.isdigit() or priority in class_delays:
+        return None
+    return (f"unknown priority class {priority!r}; use {', '.join(class_delays)}, a class set "
+            "with `batchery queue config --class-delay`, or an integer delay in seconds")
 
 
 def check_deadline(value: Any) -> float | None:

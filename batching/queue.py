@@ -15,7 +15,7 @@ import redis
 from batchery.config import QueueSettings, check_queue_name
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
 from batchery.batching.keys import QUEUES, Keys
-from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, dumps,
+from batchery.batching.messages import (CANCELLED, Claimed, Request, Result,
                                         estimate_tokens)
 from batchery.batching.scripts import Scripts
 

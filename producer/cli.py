@@ -10,10 +10,7 @@ import click
 from batchery.errors import InvalidRequest, NotOk
 from batchery.params import FINITE
 from batchery.producer.client import Client
-
-
-def _priority(value: str) -> str | int:
-    return int(value) if value.lstrip("-").isdigit() else value
+from batchery.batching.messages import parse_priority
 
 
 @click.command("enqueue")
@@ -43,7 +40,7 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
     if request_id is not None and len(values) > 1:
         raise click.UsageError("--id names one request: give one input with it")
     with Client(redis_url, queue, cluster=cluster) as client:
-        handles = client.enqueue_many([{"input": v, "priority": _priority(priority),
+        handles = client.enqueue_many([{"input": v, "priority": parse_priority(priority),
                                         "deadline": deadline, "id": request_id} for v in values],
                                       reply=wait)
         for handle in handles:

@@ -17,7 +17,7 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from batchery.batching.messages import MAX_ID_LENGTH, Request, Result, dumps
+from batchery.batching.messages import MAX_ID_LENGTH, Request, Result, dumps, unknown_class
 from batchery.config import QueueSettings
 from batchery.errors import InvalidRequest
 from batchery.producer.client import REQUEST_FIELDS, make_request
@@ -166,9 +166,9 @@ class LineParser:
             size = len(request.payload())
         except InvalidRequest as exc:  # its message names the namespaced id: drop that
             return Invalid(number, value, "invalid", str(exc).replace(f"request {request_id!r}: ", ""))
-        if not request.priority.isdigit() and request.priority not in self.settings.class_delays:
-            return Invalid(number, value, "invalid", f"unknown priority class {request.priority!r}; "
-                           "use realtime, normal, batch, or an integer delay in seconds")
+        why = unknown_class(request.priority, self.settings.class_delays)
+        if why:
+            return Invalid(number, value, "invalid", why)
         if size > self.settings.max_request_bytes:
             return Invalid(number, value, "too_large", f"input is {size} bytes, over the queue's "
                            f"max_request_bytes of {self.settings.max_request_bytes}; shorten it or "

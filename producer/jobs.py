@@ -21,7 +21,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batchery.batching.messages import check_priority
+from batchery.batching.messages import check_priority, unknown_class
 from batchery.batching.queue import RequestQueue
 from batchery.config import DEFAULT_QUEUE, check_queue_name
 from batchery.connection import text_client
@@ -109,9 +109,9 @@ def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None
     priority = check_priority(priority)
     with text_client(conn) as text:
         classes = RequestQueue(text, queue).settings().class_delays
-    if not priority.isdigit() and priority not in classes:
-        raise InvalidRequest(f"unknown priority class {priority!r} for queue {queue!r}; use "
-                             f"{', '.join(classes)} or an integer delay in seconds")
+    why = unknown_class(priority, classes)
+    if why:
+        raise InvalidRequest(f"queue {queue!r}: {why}")
     source = _readable(Path(input))
     out = Path(output).expanduser().absolute()
     err = Path(errors).expanduser().absolute() if errors else errors_path(out)

@@ -16,6 +16,7 @@ import redis
 from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer import jobs
+from batchery.batching.messages import parse_priority
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
@@ -30,10 +31,6 @@ def jobs_queue_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _rq_conn(redis_url: str, cluster: bool) -> redis.Redis:
     return RedisSettings.from_url(redis_url, cluster=cluster).binary_client()
-
-
-def _priority(value: str) -> str | int:
-    return int(value) if value.isdigit() else value
 
 
 @click.command("submit")
@@ -59,7 +56,7 @@ def submit(input_path: str, output: str, errors: str | None, priority: str, max_
     """
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
     conn = settings.binary_client()
-    job = jobs.submit(conn, input_path, output, errors, queue=queue, priority=_priority(priority),
+    job = jobs.submit(conn, input_path, output, errors, queue=queue, priority=parse_priority(priority),
                       max_in_flight=max_in_flight, retries=retries, overwrite=overwrite,
                       jobs_queue=jobs_queue)
     spec = jobs.spec_of(job)

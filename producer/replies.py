@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Iterable
@@ -178,7 +177,3 @@ class AsyncReplyListener:
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_CAP_S)
-
-
-def monotonic_deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout

@@ -362,7 +362,7 @@ def test_keda_prometheus_alternative_reads_the_depth_gauge(check: Any) -> None:
         assert trigger["type"] == "prometheus"
         query = trigger["metadata"]["query"]
         assert check_promql(query, "deploy/keda") == {"batchery_queue_depth"}
-        assert f'queue="{queue}"' in query, f"KEDA watches another queue than {target}'s {queue!r}"
+        assert f'queue="{queue}"' in query, f"KEDA watches another queue than the worker's {queue!r}"
         assert float(trigger["metadata"]["threshold"]) > 0
 
 
