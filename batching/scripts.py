@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Any
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "reprice")
+         "lookup", "reprice", "oldest")
 
 
 @lru_cache(maxsize=None)
@@ -39,3 +39,4 @@ class Scripts:
     release: Any
     lookup: Any
     reprice: Any
+    oldest: Any
