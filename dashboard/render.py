@@ -12,16 +12,16 @@ CHART_W, CHART_H = 240, 44
 
 
 def ago(seconds: float | None) -> str:
-    """"4s", "3m 12s", "2h 05m", "3d 4h": short enough for a table cell."""
+    """"4s", "3m 12s", "1m", "2h 05m", "3d 4h": short enough for a table cell."""
     if seconds is None:
         return "–"
     s = max(0, int(seconds))
     if s < 60:
         return f"{s}s"
     if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
+        return f"{s // 60}m" + (f" {s % 60:02d}s" if s % 60 else "")
     if s < 86_400:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+        return f"{s // 3600}h" + (f" {s % 3600 // 60:02d}m" if s % 3600 // 60 else "")
     return f"{s // 86_400}d {s % 86_400 // 3600}h"
 
 
