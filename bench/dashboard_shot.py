@@ -7,6 +7,8 @@ then killed (stale, and its queue left without a live worker). After SECONDS of 
 (the depth chart fills), headless Chromium takes the picture.
 
     python -m bench.dashboard_shot [--seconds 75] [--out docs/dashboard.png]
+
+(docs/dashboard.png was then cut to 128 colours with Pillow, 150 KB to 50 KB.)
 """
 
 from __future__ import annotations

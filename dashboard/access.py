@@ -42,7 +42,8 @@ class Access:
     loopback: bool   # listening on loopback only: reads need no token
 
     def matches(self, presented: str | None) -> bool:
-        return bool(presented) and hmac.compare_digest(presented.encode(), self.token.encode())
+        return presented is not None and presented != "" and hmac.compare_digest(
+            presented.encode(), self.token.encode())
 
     def may_act(self, request: Any) -> bool:
         """A header only: a cookie rides along with requests other sites make."""

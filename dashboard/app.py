@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import redis
@@ -31,7 +30,11 @@ from batchery.errors import BatcheryError, JobNotFound
 from batchery.producer import jobs
 
 log = logging.getLogger(__name__)
+
+
 class Denied(Exception):
+    """A request without the right to what it asks (status 401 or 403)."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -53,8 +56,7 @@ def create_app(board: Board, access: Access, interval_s: float = SAMPLE_S) -> St
         if not access.may_act(request):
             raise Denied(403, f"the buttons need the dashboard's token: {NO_TOKEN_HINT}")
 
-    def render(name: str, request: Request, **extra: Any) -> str:
-        can_act = extra.pop("can_act")
+    def render(name: str, can_act: bool, **extra: Any) -> str:
         act = Markup("") if can_act else Markup(f'disabled title="{NO_TOKEN_HINT}"')
         return templates.get_template(name).render(s=board.state(), act=act, **extra)
 
@@ -62,7 +64,7 @@ def create_app(board: Board, access: Access, interval_s: float = SAMPLE_S) -> St
         check_read(request)
         presented = request.query_params.get("token") or request.cookies.get(COOKIE)
         token = access.token if access.matches(presented) else ""
-        response = HTMLResponse(render("page.html", request, can_act=bool(token), token=token,
+        response = HTMLResponse(render("page.html", can_act=bool(token), token=token,
                                        interval_ms=int(interval_s * 1000)))
         if token and access.matches(request.query_params.get("token")):
             response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
@@ -70,7 +72,7 @@ def create_app(board: Board, access: Access, interval_s: float = SAMPLE_S) -> St
 
     def fragment(request: Request) -> Response:
         check_read(request)
-        return HTMLResponse(render("state.html", request, can_act=access.may_act(request)))
+        return HTMLResponse(render("state.html", can_act=access.may_act(request)))
 
     def api_state(request: Request) -> Response:
         check_read(request)

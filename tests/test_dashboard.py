@@ -20,7 +20,7 @@ from batchery.dashboard.access import Access
 from batchery.dashboard.render import chart
 from batchery.dashboard.state import History
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
-from tests.dashboard_helpers import TOKEN, dashboard, http
+from tests.dashboard_helpers import TOKEN, dashboard
 from tests.jobs_helpers import requests as job_lines, submit, write_lines
 
 STATS_FIELDS = ("pending", "pending_by_priority", "inflight", "dead", "workers")
@@ -173,6 +173,25 @@ def test_jobs_show_state_progress_and_cancel(redis_url: str, queue_name: str, tm
         assert board.state()["jobs"][0]["state"] == "cancelled"
         again = board.post(f"api/jobs/{job_id}/cancel")
         assert again.status == 200 and again.json()["ok"] is False
+
+
+def test_a_finished_job_shows_its_counts_and_a_full_bar(redis_url: str, queue_name: str,
+                                                        tmp_path: Path) -> None:
+    jobs_queue = f"jobs-{queue_name}"
+    source = write_lines(tmp_path / "in.jsonl", [*job_lines(20), "not json"])
+    job_id = submit(redis_url, jobs_queue, queue_name, source, tmp_path / "out.jsonl")
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
+    try:
+        ran = run_cli("jobs-worker", "--burst", "--jobs-queue", jobs_queue, redis_url=redis_url)
+        assert ran.returncode == 0, ran.stderr
+    finally:
+        stop_process(worker)
+    with dashboard(redis_url, tmp_path, "--jobs-queue", jobs_queue) as board:
+        [job] = board.state()["jobs"]
+        assert (job["state"], job["ok"], job["error"], job["invalid"]) == ("finished", 20, 1, 1)
+        assert job["progress"] == 1.0 and job["eta_s"] is None
+        row = board.get("fragment").body.split(f'data-job="{job_id}"')[1].split("</tr>")[0]
+        assert 'style="width: 100.0%"' in row and "21 / 21" in row and "cancel" not in row
 
 
 def test_binding_elsewhere_without_a_token_is_refused(redis_url: str) -> None:
