@@ -17,7 +17,7 @@ from starlette.requests import Request
 from batchery import Client
 from batchery.batching.queue import RequestQueue
 from batchery.dashboard.access import Access
-from batchery.dashboard.render import chart
+from batchery.dashboard.render import ago, chart
 from batchery.dashboard.state import History
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
 from tests.dashboard_helpers import TOKEN, dashboard
@@ -274,3 +274,8 @@ def test_history_gives_rates_and_the_chart_its_points() -> None:
     assert drawn["top"] == 100 and len(points) == 61
     assert points[-1][0] == pytest.approx(240) and points[0][1] == pytest.approx(2.0)
     assert all(0 <= x <= 240 and 0 <= y <= 44 for x, y in points)
+
+
+def test_ages_read_short() -> None:
+    assert [ago(s) for s in (None, -3, 4.9, 60, 65, 3600, 3660, 90_000)] == [
+        "–", "0s", "4s", "1m", "1m 05s", "1h", "1h 01m", "1d 1h"]
