@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from batchery.batching.keys import QUEUES
-from batchery.batching.queue import RequestQueue
+from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue
 from batchery.config import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
@@ -128,6 +128,7 @@ class Board:
         return {**stats, "rate": rate, "failed_per_min": failed_per_min,
                 "oldest_s": {c: round((now_ms - ms) / 1000, 1) for c, ms in oldest.items()},
                 "oldest_looked_at": looked_at,
+                "oldest_complete": looked_at < OLDEST_LOOKAHEAD,
                 "class_delays": {c: settings.class_delays.get(c, DEFAULT_CLASS_DELAYS.get(c))
                                  for c in stats["pending_by_priority"]},
                 "history": [[round(t, 1), p, i] for t, p, i, _, _ in self.history.of(name)],

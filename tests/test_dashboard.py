@@ -17,8 +17,9 @@ from starlette.requests import Request
 from batchery import Client
 from batchery.batching.queue import RequestQueue
 from batchery.dashboard.access import Access
-from batchery.dashboard.render import ago, chart
-from batchery.dashboard.state import History
+from batchery.connection import RedisSettings
+from batchery.dashboard.render import ago, chart, environment
+from batchery.dashboard.state import Board, History
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
 from tests.dashboard_helpers import TOKEN, dashboard
 from tests.jobs_helpers import requests as job_lines, submit, write_lines
@@ -252,6 +253,27 @@ def test_oldest_finds_each_class_oldest_request_within_its_bound(redis_url: str,
     assert looked_at == 5 and oldest == {}  # 30 realtime requests rank first
     _, looked_at, oldest = queue.oldest(["realtime"])
     assert looked_at <= 200 and set(oldest) == {"realtime"}  # stops once it has them all
+
+
+def test_a_class_with_only_retries_waiting_says_so(redis_url: str, rconn: redis.Redis,
+                                                   queue_name: str) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    queue.register()
+    with Client(redis_url, queue_name) as client:
+        client.enqueue("fails once", priority="batch")
+    [claimed] = queue.claim("w#1", 1, 100, 0, 10).batch
+    assert queue.fail([(claimed.id, "w#1", "{}")]) == [1]  # retried after a backoff
+    board = Board(RedisSettings.from_url(redis_url))
+    try:
+        state = board.state()
+    finally:
+        board.close()
+    view = state["queues"][queue_name]
+    assert view["delayed"] == 1 and view["pending_by_priority"] == {"batch": 1}
+    assert view["oldest_s"] == {} and view["oldest_complete"]
+    html = environment().get_template("state.html").render(s=state, act="")
+    row = html.split(f'data-queue="{queue_name}"')[1].split("</tr>")[0]
+    assert "all waiting to retry" in row
 
 
 def redis_ms(client: redis.Redis) -> int:
