@@ -276,6 +276,21 @@ def test_a_class_with_only_retries_waiting_says_so(redis_url: str, rconn: redis.
     assert "all waiting to retry" in row
 
 
+def test_worker_reports_expire_and_old_silent_workers_are_left_out(rconn: redis.Redis,
+                                                                    queue_name: str) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    queue.update_settings(lease_seconds=2)
+    queue.renew("live-one", [])  # a heartbeat: registered now
+    queue.publish_worker("live-one", {"model": "m", "runs": 3}, lease_seconds=2)
+    assert 15 < rconn.ttl(queue.keys.worker("live-one")) <= 20  # ten leases
+    long_ago = redis_ms(rconn) - 60_000
+    rconn.zadd(queue.keys.workers, {"silent-reported": long_ago, "silent-forgotten": long_ago})
+    queue.publish_worker("silent-reported", {"model": "m"}, lease_seconds=2)
+    _, found = queue.workers()
+    assert {w["id"]: w["live"] for w in found} == {"live-one": True, "silent-reported": False}
+    assert next(w for w in found if w["id"] == "live-one")["runs"] == "3"
+
+
 def redis_ms(client: redis.Redis) -> int:
     seconds, micros = client.time()
     return seconds * 1000 + micros // 1000
