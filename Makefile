@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean browser
 
 install: $(STAMP)
 
@@ -26,7 +26,15 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's Chromium: installed with apt where missing.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  SUDO=""; if [ "$$(id -u)" -ne 0 ]; then SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -q && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 # The bench extra (matplotlib, for the plots) only here: `make test` and `make demo` skip it.

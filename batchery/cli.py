@@ -321,10 +321,12 @@ def dead_purge(ids: tuple[str, ...], everything: bool, queue: str, redis_url: st
 
 
 def _register_plugins() -> None:
+    from batchery.dashboard.cli import register as register_dashboard
     from batchery.producer.cli import register as register_producer
     from batchery.workers.cli import register as register_workers
     register_producer(cli)
     register_workers(cli)
+    register_dashboard(cli)
 
 
 _register_plugins()

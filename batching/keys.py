@@ -85,6 +85,11 @@ class Keys:
         """ZSET worker id -> last heartbeat ms."""
         return self._key("workers")
 
+    def worker(self, worker_id: str) -> str:
+        """HASH of what one worker reports at each heartbeat (model, device, batch counts)
+        for `batchery dashboard`; it expires once the worker stops beating."""
+        return self._key(f"worker:{worker_id}")
+
     @property
     def wake(self) -> str:
         """LIST idle workers block on; enqueue pushes a token to wake one."""

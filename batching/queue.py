@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -28,6 +29,10 @@ RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
 CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
+# A worker's report outlives its last heartbeat by this many leases: one that died shows
+# as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
+WORKER_INFO_LEASES = 10
+OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
 
 
 @dataclass(frozen=True)
@@ -235,15 +240,58 @@ class RequestQueue:
     def forget_workers(self, older_than_s: float) -> int:
         """Drop registry entries of workers not heard from in ``older_than_s`` (they died);
         returns how many are live."""
-        return self._workers(max(1, int(older_than_s * 1000)))
+        return self.live_workers(max(1, int(older_than_s * 1000)))
 
-    def _workers(self, forget_ms: int = 0) -> int:
+    def live_workers(self, forget_ms: int = 0) -> int:
         """Live workers, on the clock of the node that holds the queue (lua/workers.lua)."""
         k = self.keys
         return int(self.scripts.workers([k.workers, k.settings], [DEFAULTS.lease_seconds, forget_ms]))
 
     def leave(self, worker_id: str) -> None:
         self.client.zrem(self.keys.workers, worker_id)
+
+    def publish_worker(self, worker_id: str, info: dict[str, Any], lease_seconds: float) -> None:
+        """Store what a worker reports at its heartbeat (model, device, counts) for the
+        dashboard, kept WORKER_INFO_LEASES leases past its last beat."""
+        key = self.keys.worker(worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(key, mapping={k: str(v) for k, v in info.items()})
+        pipe.expire(key, max(1, int(WORKER_INFO_LEASES * lease_seconds)))
+        pipe.execute()
+
+    def worker_reports(self) -> tuple[int, list[dict[str, Any]]]:
+        """(now on the Redis clock in ms, workers): each registered worker with its last
+        heartbeat ``seen_ms``, ``live`` (beat within a lease, as `stats` counts) and its
+        report; those stale past their report's expiry are left out."""
+        seconds, micros = self.client.time()
+        now = seconds * 1000 + micros // 1000
+        lease_s = self.client.hget(self.keys.settings, "lease_seconds")
+        live_after = now - 1000 * float(lease_s or DEFAULTS.lease_seconds)
+        registered = self.client.zrange(self.keys.workers, 0, -1, withscores=True)
+        pipe = self.client.pipeline(transaction=False)
+        for worker_id, _ in registered:
+            pipe.hgetall(self.keys.worker(worker_id))
+        found = []
+        for (worker_id, seen), info in zip(registered, pipe.execute() if registered else []):
+            live = seen >= live_after
+            if live or info:
+                found.append({**info, "id": worker_id, "seen_ms": int(seen), "live": live})
+        return now, found
+
+    def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
+        """(now ms, requests looked at, class -> enqueue ms of its oldest pending request)
+        for the classes found among the ``limit`` most urgent (see lua/oldest.lua)."""
+        reply = self.scripts.oldest([self.keys.pending, self.keys.sched], [limit, *classes])
+        pairs = reply[2:]
+        return int(reply[0]), int(reply[1]), {pairs[i]: int(pairs[i + 1])
+                                              for i in range(0, len(pairs), 2)}
+
+    def inputs(self, ids: Sequence[str]) -> list[Any]:
+        """The stored input of each request (None where it is gone): `--show-payloads`."""
+        if not ids:
+            return []
+        raws = self.client.hmget(self.keys.requests, list(ids))
+        return [json.loads(r).get("input") if r else None for r in raws]
 
     # -- dead letters ------------------------------------------------------------------
     def dead(self, limit: int = 100) -> list[Result]:
@@ -283,10 +331,10 @@ class RequestQueue:
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
         pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
-        return {"pending": pending + delayed,
+        return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
-                "workers": self._workers(),
+                "workers": self.live_workers(),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
 

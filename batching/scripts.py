@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Any
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "reprice", "workers")
+         "lookup", "reprice", "workers", "oldest")
 
 
 @lru_cache(maxsize=None)
@@ -40,3 +40,4 @@ class Scripts:
     lookup: Any
     reprice: Any
     workers: Any
+    oldest: Any

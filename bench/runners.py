@@ -34,3 +34,14 @@ def vector384() -> Any:
         return [[random.uniform(-0.2, 0.2) for _ in range(384)] for _ in inputs]
     run.tokens = lambda value: 1  # type: ignore[attr-defined]
     return run
+
+
+def poisoned() -> Any:
+    """Sleeps 20 ms per batch; raises for a batch holding an input that mentions "poison"
+    (single-request fallback isolates it, retries fail again, it is dead-lettered)."""
+    def run(inputs: list[Any]) -> list[Any]:
+        if any("poison" in str(v) for v in inputs):
+            raise RuntimeError("reranker: input holds a poisoned document")
+        time.sleep(0.02)
+        return [{"score": 0.5} for _ in inputs]
+    return run

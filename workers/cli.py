@@ -88,7 +88,8 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     metrics.MAX_BATCH_SIZE.set(max_batch_size)
     options = WorkerOptions(queue=queue, max_batch_size=max_batch_size,
                             max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                            lookahead=lookahead, parallel_batches=parallel_batches)
+                            lookahead=lookahead, parallel_batches=parallel_batches,
+                            model=runner or f"{task} {model}")
     log.info("%d batch(es) at a time of up to %d requests, %s torch thread(s) each",
              parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import redis
 
@@ -67,9 +67,10 @@ class Heartbeat(threading.Thread):
     """
 
     def __init__(self, queue: RequestQueue, worker_id: str, leases: Leases,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, info: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(name="batchery-heartbeat", daemon=True)
         self.queue, self.worker_id, self.leases, self.stop = queue, worker_id, leases, stop
+        self.info = info  # what this worker reports for the dashboard
         self.interval_s = 1.0
 
     def run(self) -> None:
@@ -86,6 +87,9 @@ class Heartbeat(threading.Thread):
         if lost:  # not those the writer committed while the renew was on its way
             log.warning("lost the lease on %d request(s) (taken over or cancelled): %s",
                         len(lost), ", ".join(lost[:5]))
+        if self.info:
+            self.queue.publish_worker(self.worker_id, {**self.info(), "inflight": len(self.leases)},
+                                      settings.lease_seconds)
         lock_ms = max(1, int(self.interval_s * 1000 * 0.9))
         if self.queue.client.set(self.queue.keys.reaper_lock, self.worker_id, nx=True, px=lock_ms):
             self.queue.forget_workers(older_than_s=WORKER_FORGOTTEN_AFTER_LEASES * settings.lease_seconds)

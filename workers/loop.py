@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from typing import Any
 
 import redis
@@ -21,7 +22,7 @@ from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
 from batchery.workers import metrics
 from batchery.workers.claiming import DONE, Claimer
-from batchery.workers.execution import BatchCap, Executor
+from batchery.workers.execution import BatchCap, Executed, Executor
 from batchery.workers.leases import Heartbeat, Leases
 from batchery.workers.options import WorkerOptions
 from batchery.workers.results import ResultWriter
@@ -40,7 +41,10 @@ class Worker:
         self.id = self.options.worker_id
         self.stop = threading.Event()
         self.batches_run = 0
+        # model runs, requests, real and padded tokens, last claim (Redis ms): the dashboard's
+        self.ran = {"runs": 0, "requests": 0, "tokens": 0, "padded": 0, "last_claim_ms": 0}
         self._count_lock = threading.Lock()
+        self._started = time.time()
 
     def run(self, burst: bool = False, handle_signals: bool = True) -> int:
         """Serve the queue until stopped (or, with ``burst``, until it is drained)."""
@@ -63,7 +67,7 @@ class Worker:
     def _serve(self, queue_: RequestQueue, burst: bool) -> None:
         leases, cap = Leases(), BatchCap(self.options.oom_hold_s)
         writer = ResultWriter(queue_, self.id, leases)
-        heartbeat = Heartbeat(queue_, self.id, leases, self.stop)
+        heartbeat = Heartbeat(queue_, self.id, leases, self.stop, self.info)
         claimer = Claimer(queue_, self.runner, self.options, leases, cap, writer.submit,
                           self.stop, burst)
         executor = Executor(self.runner, cap)
@@ -101,12 +105,32 @@ class Worker:
                     continue
                 if batch is DONE:
                     return
-                writer.submit(executor.run(batch))
+                executed = executor.run(batch)
+                writer.submit(executed)
                 with self._count_lock:
                     self.batches_run += 1
+                    self._tally(executed)
         except BaseException:
             self.stop.set()  # a bug, not a failed batch (the executor catches those): stop all
             raise
+
+    def _tally(self, executed: Executed) -> None:
+        ran = self.ran
+        ran["runs"] += len(executed.runs)
+        for size, tokens, padded in executed.runs:
+            ran["requests"] += size
+            ran["tokens"] += tokens
+            ran["padded"] += padded
+        ran["last_claim_ms"] = max(ran["last_claim_ms"], executed.claimed_ms)
+
+    def info(self) -> dict[str, Any]:
+        """What the heartbeat reports for `batchery dashboard`."""
+        with self._count_lock:
+            ran = dict(self.ran)
+        return {"model": self.options.model, "device": str(getattr(self.runner, "device", "")),
+                "max_batch_size": self.options.max_batch_size,
+                "parallel_batches": self.options.parallel_batches,
+                "started": round(self._started), **ran}
 
     def _announce(self, queue_: RequestQueue) -> None:
         """Register the queue and tell producers how this model counts tokens."""

@@ -42,6 +42,8 @@ class WorkerOptions:
     # An idle worker wakes at least this often, also when no enqueue signals it.
     idle_poll_s: float = 1.0
     worker_id: str = field(default_factory=new_worker_id)
+    # What it runs, as `batchery dashboard` shows it ("embed minilm", "mymodels:build").
+    model: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= 4096:
