@@ -86,3 +86,17 @@ def which_gpu() -> Any:
     with open(os.path.join(pins, str(os.getpid())), "w") as out:
         out.write(os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
     return echo()
+
+
+def gated() -> Any:
+    """Holds each batch while the file $BATCHERY_TEST_GATE exists; raises for a batch that
+    holds the input "bad" (so the fallback runs each alone and "bad" fails)."""
+    gate = os.environ["BATCHERY_TEST_GATE"]
+
+    def run(inputs: list[Any]) -> list[Any]:
+        while os.path.exists(gate):
+            time.sleep(0.01)
+        if "bad" in inputs:
+            raise RuntimeError("cannot process 'bad'")
+        return [f"ok:{v}" for v in inputs]
+    return run
