@@ -17,11 +17,15 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import redis
+from hypothesis import settings
 
 from batchery.connection import RedisSettings
 from batchery.embedded import find_redis_server, server_version
 
 ROOT = Path(__file__).resolve().parent.parent
+# Hypothesis' 200 ms deadline per example measures the machine's load, not the code: off.
+settings.register_profile("batchery", deadline=None)
+settings.load_profile("batchery")
 
 
 def free_port(below: int = 65536) -> int:
