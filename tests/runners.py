@@ -100,10 +100,13 @@ def which_gpu() -> Any:
 
 def gated() -> Any:
     """Holds each batch while the file $BATCHERY_TEST_GATE exists; raises for a batch that
-    holds the input "bad" (so the fallback runs each alone and "bad" fails)."""
-    gate = os.environ["BATCHERY_TEST_GATE"]
+    holds the input "bad" (so the fallback runs each alone and "bad" fails). With
+    BATCHERY_TEST_MARK, creates that file when a batch starts."""
+    gate, started = os.environ["BATCHERY_TEST_GATE"], os.environ.get("BATCHERY_TEST_MARK")
 
     def run(inputs: list[Any]) -> list[Any]:
+        if started:  # the test can see that a batch is running, not only claimed
+            open(started, "w").close()
         while os.path.exists(gate):
             time.sleep(0.01)
         if "bad" in inputs:

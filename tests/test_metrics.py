@@ -26,13 +26,15 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
     gate.touch()  # every batch waits at the gate until the test opens it
     worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:gated",
                           "--max-batch-size", "2", "--max-wait-ms", "0", "--metrics-port",
-                          str(port), log=tmp_path / "w.log", BATCHERY_TEST_GATE=str(gate))
+                          str(port), log=tmp_path / "w.log", BATCHERY_TEST_GATE=str(gate),
+                          BATCHERY_TEST_MARK=str(tmp_path / "running"))
     q = {"queue": queue_name}
     try:
         with Client(redis_url, queue_name) as client:
             wait_for(lambda: client.queue.stats()["workers"] == 1, 60, message="the worker")
             first = client.enqueue_many([{"input": "a"}, {"input": "b"}])  # normal: it runs them
-            wait_for(lambda: client.queue.stats()["inflight"] == 2, 20, message="a batch running")
+            # running, not only claimed ahead (a claimed batch would yield to the realtime ones)
+            wait_for((tmp_path / "running").exists, 20, message="a batch running")
             later = client.enqueue_many([{"input": "r1", "priority": "realtime"},
                                          {"input": "r2", "priority": "realtime"},
                                          {"input": "c1", "priority": "batch"},
