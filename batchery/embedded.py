@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from batchery.config import state_dir
 from batchery.errors import ConfigError
@@ -61,7 +63,8 @@ def socket_path(home: Path | None = None) -> Path:
 def _ping(path: Path) -> bool:
     if not path.exists():
         return False
-    client = redis.Redis(unix_socket_path=str(path), socket_timeout=2, socket_connect_timeout=2)
+    client = redis.Redis(unix_socket_path=str(path), socket_timeout=2, socket_connect_timeout=2,
+                         retry=Retry(NoBackoff(), 0))  # a dead socket answers at once: no retries
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -120,7 +123,9 @@ def stop() -> bool:
     path = socket_path()
     if not _ping(path):
         return False
-    client = redis.Redis(unix_socket_path=str(path))
+    # no retries: the server closing the connection as it exits is the success, and
+    # redis-py's default retries would spend seconds reconnecting to a server that is gone
+    client = redis.Redis(unix_socket_path=str(path), retry=Retry(NoBackoff(), 0))
     try:
         client.shutdown()
     except redis.ConnectionError:

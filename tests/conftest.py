@@ -10,17 +10,22 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import redis
+from hypothesis import settings
 
 from batchery.connection import RedisSettings
 from batchery.embedded import find_redis_server, server_version
 
 ROOT = Path(__file__).resolve().parent.parent
+# Hypothesis' 200 ms deadline per example measures the machine's load, not the code: off.
+settings.register_profile("batchery", deadline=None)
+settings.load_profile("batchery")
 
 
 def free_port(below: int = 65536) -> int:
@@ -171,3 +176,12 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(10)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A worker's /metrics: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

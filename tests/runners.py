@@ -66,14 +66,24 @@ def oom_over_4() -> Any:
 
 def timed() -> Any:
     """Sleeps BATCHERY_TEST_SLEEP seconds per batch; reports when, on which thread, and with
-    how many torch threads each batch ran."""
+    how many torch threads each batch ran. With BATCHERY_TEST_MARK, a file in that folder
+    marks each batch while it runs; with BATCHERY_TEST_GATE, a batch then also waits while
+    that file exists."""
     import threading
     import torch
     delay = float(os.environ.get("BATCHERY_TEST_SLEEP", "0.3"))
+    marks, gate = os.environ.get("BATCHERY_TEST_MARK"), os.environ.get("BATCHERY_TEST_GATE")
 
     def run(inputs: list[Any]) -> list[Any]:
         started = time.time()
+        mark = marks and os.path.join(marks, f"{os.getpid()}-{threading.get_ident()}")
+        if mark:
+            open(mark, "w").close()
         time.sleep(delay)
+        while gate and os.path.exists(gate):
+            time.sleep(0.01)
+        if mark:
+            os.unlink(mark)
         ran = {"start": started, "end": time.time(), "thread": threading.current_thread().name,
                "torch_threads": torch.get_num_threads()}
         return [dict(ran, input=v) for v in inputs]
@@ -86,3 +96,39 @@ def which_gpu() -> Any:
     with open(os.path.join(pins, str(os.getpid())), "w") as out:
         out.write(os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
     return echo()
+
+
+def gated() -> Any:
+    """Holds each batch while the file $BATCHERY_TEST_GATE exists; raises for a batch that
+    holds the input "bad" (so the fallback runs each alone and "bad" fails). With
+    BATCHERY_TEST_MARK, creates that file when a batch starts."""
+    gate, started = os.environ["BATCHERY_TEST_GATE"], os.environ.get("BATCHERY_TEST_MARK")
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if started:  # the test can see that a batch is running, not only claimed
+            open(started, "w").close()
+        while os.path.exists(gate):
+            time.sleep(0.01)
+        if "bad" in inputs:
+            raise RuntimeError("cannot process 'bad'")
+        return [f"ok:{v}" for v in inputs]
+    return run
+
+
+def pauses_after() -> Any:
+    """Like slow(), but once this process has run BATCHERY_TEST_PAUSE_AFTER inputs it
+    creates the file $BATCHERY_TEST_GATE and holds every batch while that file exists:
+    a test sees the work stop at a known point, and removes the file to go on."""
+    delay = float(os.environ.get("BATCHERY_TEST_SLEEP", "0"))
+    after, gate = int(os.environ["BATCHERY_TEST_PAUSE_AFTER"]), os.environ["BATCHERY_TEST_GATE"]
+    seen = [0]
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if seen[0] < after <= seen[0] + len(inputs):
+            open(gate, "w").close()
+        seen[0] += len(inputs)
+        time.sleep(delay)
+        while os.path.exists(gate):
+            time.sleep(0.01)
+        return [f"done:{v}" for v in inputs]
+    return run

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import (ROOT, cli_env, free_port, run_cli, start_worker, stop_process,
-                            wait_for)
+from tests.conftest import (ROOT, cli_env, free_port, run_cli, scrape, start_worker,
+                            stop_process, wait_for)
 
 
 def lines(text: str) -> list[dict]:
@@ -40,14 +40,27 @@ def test_enqueue_wait_with_a_worker_and_metrics(redis_url: str, queue_name: str,
                      "batchery_retries_total", "batchery_dead_letters_total",
                      "batchery_oom_backoffs_total"):
             assert name in metrics
-        assert (f'batchery_requests_total{{priority="realtime",queue="{queue_name}",status="ok"}} 2.0'
-                in metrics)
+        # the counter is raised just after the commit the client saw: wait for it
+        wait_for(lambda: scrape(port).get(("batchery_requests_total", (
+            ("priority", "realtime"), ("queue", queue_name), ("status", "ok")))) == 2, 20,
+            message="batchery_requests_total to count both")
         stats = json.loads(run_cli("stats", "--json", redis_url=redis_url).stdout)
         mine = stats["queues"][queue_name]
         assert mine["workers"] == 1 and mine["pending"] == 0 and mine["inflight"] == 0
         assert set(mine) >= {"pending", "pending_by_priority", "inflight", "dead", "workers"}
     finally:
         assert stop_process(worker) == 0
+
+
+def test_a_result_timeout_exits_5_and_says_the_request_stays_queued(redis_url: str,
+                                                                     queue_name: str) -> None:
+    done = run_cli("enqueue", "-q", queue_name, "--text", "nobody serves this", "--id", "waits",
+                   "--wait", "--timeout", "0.5", redis_url=redis_url)
+    assert done.returncode == 5, done.stderr
+    assert "no result for request 'waits' within 0.5s; it stays queued" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    stats = json.loads(run_cli("stats", "--json", redis_url=redis_url).stdout)
+    assert stats["queues"][queue_name]["pending"] == 1
 
 
 def test_enqueue_without_wait_prints_ids_and_stats_counts_by_class(redis_url: str, queue_name: str) -> None:

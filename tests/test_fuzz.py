@@ -4,6 +4,7 @@ running worker (the real MiniLM model) answers each accepted request and keeps s
 from __future__ import annotations
 
 import signal
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,13 +34,14 @@ field_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 9), st.
 
 @pytest.fixture(scope="module")
 def served(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """One MiniLM worker for the module (loading it takes seconds); each test submits and
+    checks its own requests."""
     log = tmp_path_factory.mktemp("fuzz") / "worker.log"
     worker = start_worker(redis_server.url, "fuzz", "--task", "embed", "--model", "minilm",
-                          "--device", "cpu", log=log)
+                          "--device", "cpu", "--max-batch-size", "16", log=log)
     client = Client(redis_server.url, "fuzz")
     wait_for(lambda: client.queue.stats()["workers"] == 1, 120, message="the MiniLM worker")
-    accepted: list = []
-    yield client, accepted, worker, log
+    yield client, worker, log
     client.close()
     stop_process(worker)
 
@@ -51,42 +53,59 @@ def submit(client: Client, accepted: list, fields: dict[str, Any]) -> None:
         assert str(exc) and "Traceback" not in str(exc)
 
 
-@given(st.one_of(json_values, awkward, lone_surrogates))
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_any_input_is_refused_clearly_or_answered(served: tuple, value: Any) -> None:
-    client, accepted, _, _ = served
-    submit(client, accepted, {"input": value})
-
-
-@given(st.fixed_dictionaries({"input": st.just("text")},
-                             optional={"priority": field_values, "deadline": field_values,
-                                       "tokens": field_values, "meta": field_values,
-                                       "id": field_values}))
-@settings(max_examples=150, deadline=None)
-def test_any_request_fields_are_refused_clearly_or_accepted(served: tuple, fields: dict) -> None:
-    client, accepted, _, _ = served
-    submit(client, accepted, fields)
-
-
-def test_the_worker_answered_everything_and_keeps_serving(served: tuple) -> None:
-    client, accepted, worker, log = served
-    garbage = Request.validated(id="garbage-bytes", input="replaced below")
-    worker.send_signal(signal.SIGSTOP)  # so it cannot claim the request before it is replaced
-    try:
-        client.queue.enqueue([garbage], client.client_id)
-        client.queue.client.hset(client.queue.keys.requests, garbage.id, b"\xff\xfe{not json")
-    finally:
-        worker.send_signal(signal.SIGCONT)
-    handles = [*accepted, client.handle(garbage.id)]
+def answered(served: tuple, handles: list) -> list:
+    """Every accepted request ends with a result that says what happened; the worker lives."""
+    _, worker, log = served
     results = [h.result(timeout=120) for h in handles]
-    assert len(results) > 100
     for result in results:
         assert result.status in ("ok", "error", "expired"), result
         if result.status == "ok":
             assert len(result.output) == 384
         else:
             assert result.error["message"]
-    assert results[-1].status == "error" and "not JSON" in results[-1].error["message"]
-    assert client.enqueue("still serving").result(timeout=60).ok
     assert worker.poll() is None
     assert "Traceback" not in Path(log).read_text()
+    return results
+
+
+def test_any_input_is_refused_clearly_or_answered(served: tuple) -> None:
+    client, accepted = served[0], []
+
+    @given(st.one_of(json_values, awkward, lone_surrogates))
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    def enqueue(value: Any) -> None:
+        submit(client, accepted, {"input": value})
+    enqueue()
+    results = answered(served, accepted)
+    assert len(results) >= 30, "too few inputs accepted to say the worker copes with them"
+    assert {r.status for r in results} >= {"ok", "error"}  # texts embedded, others refused
+
+
+def test_any_request_fields_are_refused_clearly_or_accepted(served: tuple) -> None:
+    client, accepted = served[0], []
+
+    @given(st.fixed_dictionaries({"input": st.just("text")},
+                                 optional={"priority": field_values, "deadline": field_values,
+                                           "tokens": field_values, "meta": field_values,
+                                           "id": field_values}))
+    @settings(max_examples=150, deadline=None)
+    def enqueue(fields: dict) -> None:
+        submit(client, accepted, fields)
+    enqueue()
+    results = answered(served, accepted)
+    assert len(results) >= 10 and any(r.ok for r in results)
+
+
+def test_bytes_that_are_not_json_fail_alone_and_the_worker_keeps_serving(served: tuple) -> None:
+    client, worker, _ = served
+    garbage = Request.validated(id=f"garbage-{uuid.uuid4().hex[:8]}", input="replaced below")
+    worker.send_signal(signal.SIGSTOP)  # so it cannot claim the request before it is replaced
+    try:
+        client.queue.enqueue([garbage], client.client_id)
+        client.queue.client.hset(client.queue.keys.requests, garbage.id, b"\xff\xfe{not json")
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    fine = client.enqueue("a fine one")
+    broken, ok = answered(served, [client.handle(garbage.id), fine])
+    assert broken.status == "error" and "not JSON" in broken.error["message"]
+    assert ok.ok and len(ok.output) == 384

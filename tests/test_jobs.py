@@ -155,19 +155,23 @@ def test_killed_jobs_worker_resumes_without_duplicates(
     lines[n - 3] = {"custom_id": "r1", "input": "again"}
     source = write_lines(tmp_path / "in.jsonl", lines)
     output = tmp_path / "out.jsonl"
-    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
-                          "--max-batch-size", "16", BATCHERY_TEST_SLEEP="0.03")
+    gate = tmp_path / "gate"  # the model pauses after 350 requests: the kill lands mid-job
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:pauses_after",
+                          "--max-batch-size", "16", BATCHERY_TEST_PAUSE_AFTER="350",
+                          BATCHERY_TEST_GATE=str(gate))
     first = start_jobs_worker(redis_url, jobs_queue)
     second = None
     try:
         job = submit(redis_url, jobs_queue, queue_name, source, output, "--max-in-flight", "64")
+        wait_for(gate.exists, 60, message="the model to pause")
         wait_done_at_least(redis_url, job, 300)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
+        gate.unlink()
         with open(output, "a") as f:
             f.write('{"custom_id": "r9')  # a line torn by the kill
         killed_at = len(output.read_text().splitlines()) - 1
-        assert 250 <= killed_at < n - 2
+        assert 290 <= killed_at < 350  # the model paused before its 350th request
         second = start_jobs_worker(redis_url, jobs_queue)
         view = wait_state(redis_url, job, "finished", "failed", timeout=90)
     finally:
@@ -191,13 +195,17 @@ def test_sigterm_hands_a_running_job_back(redis_url: str, queue_name: str, jobs_
                                           tmp_path: Path) -> None:
     source = write_lines(tmp_path / "in.jsonl", requests(800))
     output = tmp_path / "out.jsonl"
-    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
-                          "--max-batch-size", "16", BATCHERY_TEST_SLEEP="0.03")
+    gate = tmp_path / "gate"  # the model pauses after 200 requests: SIGTERM lands mid-job
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:pauses_after",
+                          "--max-batch-size", "16", BATCHERY_TEST_PAUSE_AFTER="200",
+                          BATCHERY_TEST_GATE=str(gate))
     first = start_jobs_worker(redis_url, jobs_queue)
     try:
         job = submit(redis_url, jobs_queue, queue_name, source, output, "--max-in-flight", "64")
+        wait_for(gate.exists, 60, message="the model to pause")
         wait_done_at_least(redis_url, job, 100)
         assert stop_process(first, signal.SIGTERM, timeout=10) == 0  # not after the whole job
+        gate.unlink()
         view = status(redis_url, job)
         assert view["state"] == "queued" and view["pending"] > 0 and view["retries_left"] == 3
         assert run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst",
@@ -214,13 +222,17 @@ def test_cancel_running_job_removes_its_queued_requests(
         redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path) -> None:
     source = write_lines(tmp_path / "in.jsonl", requests(3000))
     output = tmp_path / "out.jsonl"
-    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
-                          "--max-batch-size", "8", BATCHERY_TEST_SLEEP="0.05")
+    gate = tmp_path / "gate"  # the model pauses after 100 requests: the cancel lands mid-job
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:pauses_after",
+                          "--max-batch-size", "8", BATCHERY_TEST_PAUSE_AFTER="100",
+                          BATCHERY_TEST_GATE=str(gate))
     jobs_worker = start_jobs_worker(redis_url, jobs_queue)
     try:
         job = submit(redis_url, jobs_queue, queue_name, source, output, "--max-in-flight", "300")
+        wait_for(gate.exists, 60, message="the model to pause")
         wait_done_at_least(redis_url, job, 40)
         done = run_cli("cancel", job, redis_url=redis_url)
+        gate.unlink()
         assert done.returncode == 0, done.stderr
         assert f"job {job} cancelled (was running)" in done.stdout
         removed = int(done.stdout.split("; ")[1].split()[0])

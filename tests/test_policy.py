@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
+from batchery.config import DEFAULT_CLASS_DELAYS
 from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer
@@ -102,16 +103,53 @@ def test_a_more_urgent_class_joins_before_better_fitting_less_urgent_ones() -> N
         ["old", "rt0", "rt1"]
 
 
-def test_aging_rank_lets_an_old_batch_request_beat_new_realtime_ones() -> None:
-    old_batch = rank(enqueued_ms=0, class_delay_ms=60_000)
-    assert rank(59_999, 0) < old_batch < rank(60_001, 0)
+def test_under_an_endless_realtime_flood_a_batch_request_still_runs() -> None:
+    """A worker that serves 10 requests/s, a realtime flood of 20/s (the backlog grows
+    without end) and one batch-class request among them: strict priority would starve it;
+    with aging it runs once the realtime requests that arrived before its delay ran out
+    have run, and no realtime request that arrived later runs before it."""
+    delays = {c: int(s * 1000) for c, s in DEFAULT_CLASS_DELAYS.items()}
+    pending: list[Candidate] = []
+    arrived: dict[str, int] = {}
+    ran: list[str] = []
+    now = 0
+    while "old" not in ran:
+        assert now < 300_000, "the batch request starved"
+        new = [("old", "batch")] if now == 1000 else []
+        new += [(f"rt{now}-{i}", "realtime") for i in range(2)]
+        for rid, cls in new:
+            arrived[rid] = now
+            pending.append(Candidate(rid, 10, now, rank=rank(now, delays[cls])))
+        pending.sort(key=lambda c: (c.rank, c.id))
+        chosen = select_batch(pending[:64], now, 1, 10_000, 0).batch
+        ran += chosen
+        pending = [c for c in pending if c.id not in chosen]
+        now += 100
+    before = ran[:ran.index("old")]
+    ranked_ahead = [r for r, t in arrived.items() if r != "old" and t < 1000 + delays["batch"]]
+    assert sorted(before) == sorted(ranked_ahead)  # exactly those, and none that came later
 
 
-@given(lookaheads(), st.booleans())
-@settings(max_examples=60, deadline=None)
+@st.composite
+def claim_cases(draw: st.DrawFn) -> tuple:
+    """A lookahead case plus, per candidate, where it sits: queued, a retry whose backoff is
+    over or not, or an orphan (pending with no state); and how far the claim looks ahead."""
+    candidates, max_size, max_tokens, max_wait = draw(lookaheads())
+    kinds = [draw(st.sampled_from(["queued", "queued", "queued", "due", "not due", "orphan"]))
+             for _ in candidates]
+    estimated = [draw(st.booleans()) for _ in candidates]
+    lookahead = draw(st.integers(1, len(candidates) + 1))
+    return candidates, kinds, estimated, max_size, max_tokens, max_wait, lookahead
+
+
+CLASS_OF_DELAY = {0: "realtime", 5000: "normal", 60_000: "batch", 7: "p7"}
+
+
+@given(claim_cases(), st.booleans())
+@settings(max_examples=80, deadline=None)
 def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: tuple,
                                                fill_from_slower: bool) -> None:
-    candidates, max_size, max_tokens, max_wait = case
+    candidates, kinds, estimated, max_size, max_tokens, max_wait, lookahead = case
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(client, "policy-agreement")
     k: Keys = queue.keys
@@ -121,18 +159,38 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
     client.hset(k.settings, "fill_from_slower", int(fill_from_slower))
     server_now = int(client.time()[0]) * 1000
     shift = server_now - NOW  # the same offsets from "now", on the server's clock
-    for c in candidates:
-        expire = c.expire_ms + shift if c.expire_ms else 0
-        client.zadd(k.pending, {c.id: c.rank + shift})
-        client.hset(k.sched, c.id, f"{c.tokens}:{expire}:{c.enqueued_ms + shift}:{c.rank + shift}:normal:")
-        client.hset(k.requests, c.id, json.dumps({"input": c.id}))
-    reply = queue.claim("w#1", max_size, max_tokens, max_wait, lookahead=len(candidates) or 1)
     shifted = [Candidate(c.id, c.tokens, c.enqueued_ms + shift,
                          c.expire_ms + shift if c.expire_ms else 0, c.rank + shift)
                for c in candidates]
-    expected = select_batch(shifted, reply.now_ms, max_size, max_tokens, max_wait, fill_from_slower)
+    for c, kind, mark in zip(shifted, kinds, estimated):
+        if kind in ("queued", "orphan"):
+            client.zadd(k.pending, {c.id: c.rank})
+        else:  # a retry in backoff: due in the past, or a minute from now
+            client.zadd(k.delayed, {c.id: server_now - 1 if kind == "due" else server_now + 60_000})
+        if kind != "orphan":
+            cls = CLASS_OF_DELAY[c.delay_ms]
+            client.hset(k.sched, c.id, f"{'~' * mark}{c.tokens}:{c.expire_ms}:{c.enqueued_ms}:"
+                                       f"{c.rank}:{cls}:")
+            client.hset(k.requests, c.id, json.dumps({"input": c.id}))
+    reply = queue.claim("w#1", max_size, max_tokens, max_wait, lookahead=lookahead)
+    # the rule the claim implements around select_batch: due retries rejoin at their rank,
+    # the lookahead is the first `lookahead` pending ids (orphans included, then dropped)
+    window = [c for c, kind in zip(shifted, kinds) if kind != "not due"][:lookahead]
+    orphans = {c.id for c, kind in zip(shifted, kinds) if kind == "orphan"}
+    expected = select_batch([c for c in window if c.id not in orphans], reply.now_ms, max_size,
+                            max_tokens, max_wait, fill_from_slower)
     assert [r.id for r in reply.expired] == expected.expired
     assert [r.id for r in reply.batch] == expected.batch
-    if candidates and not expected.batch and not expected.expired:
+    if not window:  # nothing pending: -1, or the time until the first retry is due
+        assert reply.wait_ms == -1 if "not due" not in kinds else 0 < reply.wait_ms <= 60_000
+    elif not expected.batch and not expected.expired:  # orphans only (0), or held back
         assert reply.wait_ms == expected.wait_ms
+    taken = set(expected.batch) | set(expected.expired)
+    assert set(client.zrange(k.leased, 0, -1)) == taken
+    still_pending = set(client.zrange(k.pending, 0, -1))
+    assert not still_pending & (taken | {c.id for c in window if c.id in orphans})
+    assert {c.id for c, kind in zip(shifted, kinds) if kind == "queued" or kind == "due"} - taken \
+        <= still_pending  # nothing queued lost: untaken ones (due retries too) wait in pending
+    assert set(client.zrange(k.delayed, 0, -1)) == \
+        {c.id for c, kind in zip(shifted, kinds) if kind == "not due"}
     client.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from batchery import Client
@@ -16,10 +15,11 @@ from tests.conftest import wait_for
 
 def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_name: str) -> None:
     ran: list[list[Any]] = []
+    release = threading.Event()  # the first batch runs until the test lets it finish
 
     def slow(inputs: list[Any]) -> list[Any]:
         ran.append(list(inputs))
-        time.sleep(0.3)
+        release.wait(30)
         return inputs
 
     worker = Worker(RedisSettings.from_url(redis_url), CallableRunner(slow),
@@ -31,6 +31,10 @@ def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_n
         # one batch running, the next one claimed ahead
         wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 10, message="a prefetch")
         urgent = client.enqueue("urgent", priority="realtime")
+        try:  # it arrived while the first batch runs, with the next batch claimed ahead
+            assert len(ran) == 1 and client.queue.stats()["inflight"] == 4
+        finally:
+            release.set()
         assert urgent.result(timeout=10).ok
         assert all(h.result(timeout=10).ok for h in flood)
         thread.join(30)

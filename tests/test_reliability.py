@@ -3,6 +3,7 @@ cancellation, signals, a Redis restart. Every accepted request ends with one res
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -43,6 +44,20 @@ def held_by(queue: RequestQueue, pid: int) -> list[str]:
     return [i for i, token in queue.client.hgetall(queue.keys.owner).items() if f":{pid}:" in token]
 
 
+def freeze_holding(queue: RequestQueue, proc, timeout: float = 30) -> list[str]:
+    """SIGSTOP ``proc`` at a moment it holds leases; return what it holds, read while stopped
+    (a stopped worker neither commits nor claims, so this is what a kill now loses)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_for(lambda: held_by(queue, proc.pid), max(0.1, deadline - time.monotonic()),
+                 message=f"worker {proc.pid} to hold leases")
+        proc.send_signal(signal.SIGSTOP)
+        held = held_by(queue, proc.pid)
+        if held:
+            return held
+        proc.send_signal(signal.SIGCONT)  # it committed in between: catch the next batch
+
+
 def test_a_killed_worker_loses_nothing(rconn, redis_url: str, queue_name: str, tmp_path: Path) -> None:
     queue = RequestQueue(rconn, queue_name)
     queue.update_settings(lease_seconds=1)
@@ -51,12 +66,11 @@ def test_a_killed_worker_loses_nothing(rconn, redis_url: str, queue_name: str, t
                           "--max-batch-size", "4", log=tmp_path / "victim.log", **slow)
     wait_for(lambda: queue.stats()["workers"] == 1, 60)
     ids = enqueue_observed(queue, list(range(40)))
-    wait_for(lambda: held_by(queue, victim.pid), 30, message="the victim to hold leases")
-    survivor = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
-                            "--max-batch-size", "4", log=tmp_path / "survivor.log", **slow)
-    lost = held_by(queue, victim.pid)
+    lost = freeze_holding(queue, victim)  # what it held at the kill: it cannot commit now
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
+    survivor = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
+                            "--max-batch-size", "4", log=tmp_path / "survivor.log", **slow)
     try:
         wait_for(lambda: all_done(queue, ids), 90, message="every request to finish")
     finally:
@@ -64,7 +78,8 @@ def test_a_killed_worker_loses_nothing(rconn, redis_url: str, queue_name: str, t
     results = queue.results(ids)
     assert {r.status for r in results} == {"ok"}
     assert [r.output for r in results] == [f"done:{i}" for i in range(40)]
-    assert all(queue.result(i).attempts == 2 for i in lost)  # reaped: the lost run counted
+    assert lost and all(queue.result(i).attempts == 2 for i in lost)  # reaped: the lost run counted
+    assert not any(f":{victim.pid}:" in queue.result(i).worker for i in lost)
     pushed = pushed_results(queue)
     assert sorted(r.id for r in pushed) == sorted(ids)  # exactly one committed result each
 
@@ -77,8 +92,7 @@ def test_a_hung_workers_late_results_are_discarded(rconn, redis_url: str, queue_
                         "4", log=tmp_path / "hung.log", BATCHERY_TEST_SLEEP="1.5")
     wait_for(lambda: queue.stats()["workers"] == 1, 60)
     ids = enqueue_observed(queue, list(range(8)))
-    taken = wait_for(lambda: held_by(queue, hung.pid), 30, message="the worker to claim")
-    hung.send_signal(signal.SIGSTOP)  # hangs mid-batch: no heartbeat, no commits
+    taken = freeze_holding(queue, hung)  # hangs mid-batch: no heartbeat, no commits
     helper = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
                           log=tmp_path / "helper.log")
     try:
@@ -196,7 +210,9 @@ def test_a_request_past_its_deadline_is_never_run(redis_url: str, queue_name: st
     assert ok.status == "ok"
 
 
-def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_name: str) -> None:
+def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_name: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="batchery.workers.results")
     os.environ["BATCHERY_TEST_SLEEP"] = "0.8"
     try:
         with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name,
@@ -206,7 +222,9 @@ def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_
             wait_for(lambda: client.queue.stats()["inflight"] == 1, 10)
             assert handle.cancel() is True
             assert handle.result(timeout=5).status == "cancelled"
-            time.sleep(1.0)  # the batch finishes; its commit must not replace the result
+            # the batch finishes and tries to commit: wait for that commit, then look again
+            wait_for(lambda: "discarded 1 result" in caplog.text, 30,
+                     message="the running batch's commit to be discarded")
             assert client.get(handle.id).status == "cancelled"
     finally:
         del os.environ["BATCHERY_TEST_SLEEP"]
@@ -219,31 +237,53 @@ def test_sigterm_finishes_the_batch_and_returns_prefetched_claims(rconn, redis_u
                           "2", log=tmp_path / "w.log", BATCHERY_TEST_SLEEP="1.0")
     wait_for(lambda: queue.stats()["workers"] == 1, 60)
     ids = enqueue_observed(queue, list(range(10)))
-    wait_for(lambda: queue.stats()["inflight"] == 4, 20, message="a running and a prefetched batch")
-    assert stop_process(worker, signal.SIGTERM) == 0
-    results = queue.results(ids)
-    finished = [r for r in results if r is not None]
-    assert len(finished) == 2 and {r.status for r in finished} == {"ok"}
+    # stopped while it holds a running and a prefetched batch; SIGTERM lands as it resumes
+    held = freeze_holding_exactly(queue, worker, 4)
+    before = {r.id for r in queue.results(ids) if r is not None}
+    worker.send_signal(signal.SIGTERM)
+    worker.send_signal(signal.SIGCONT)
+    assert worker.wait(60) == 0  # a second SIGTERM would mean "stop at once": none here
+    finished = {r.id: r for r in queue.results(ids) if r is not None}
+    assert {r.status for r in finished.values()} == {"ok"}
+    assert len(set(held) & set(finished)) >= 2  # the batch in hand was finished and committed
+    assert 2 <= len(set(finished) - before) <= 4  # then it stopped: no batch claimed after
     stats = queue.stats()
-    assert stats["pending"] == 8 and stats["inflight"] == 0 and stats["workers"] == 0
+    assert stats["pending"] == 10 - len(finished) > 0  # the prefetched claim went back
+    assert stats["inflight"] == 0 and stats["workers"] == 0
     assert queue.client.hlen(queue.keys.attempts) == 0  # returned, not counted as failures
+
+
+def freeze_holding_exactly(queue: RequestQueue, proc, count: int, timeout: float = 30) -> list[str]:
+    """SIGSTOP ``proc`` at a moment it holds exactly ``count`` leases; return them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = freeze_holding(queue, proc, max(0.1, deadline - time.monotonic()))
+        if len(held) == count:
+            return held
+        assert time.monotonic() < deadline, f"worker {proc.pid} never held {count} leases: {held}"
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
 
 
 def test_a_second_signal_stops_at_once_and_leases_cover_the_rest(rconn, redis_url: str,
                                                                  queue_name: str, tmp_path: Path) -> None:
     queue = RequestQueue(rconn, queue_name)
     queue.update_settings(lease_seconds=1)
+    log = tmp_path / "w.log"
     worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
-                          log=tmp_path / "w.log", BATCHERY_TEST_SLEEP="5")
+                          log=log, BATCHERY_TEST_SLEEP="5")
     wait_for(lambda: queue.stats()["workers"] == 1, 60)
     ids = enqueue_observed(queue, list(range(4)))
     wait_for(lambda: queue.stats()["inflight"] == 4, 20)
     worker.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    started = time.monotonic()
+    wait_for(lambda: "SIGTERM: finishing the current batch" in log.read_text(), 20,
+             message="the first signal to be handled")
     assert stop_process(worker, signal.SIGINT) == 130
-    assert time.monotonic() - started < 3  # did not wait for the 5 s batch
-    time.sleep(1.1)  # the leases expire; the next worker's heartbeat reaps them at start
+    assert queue.results(ids) == [None] * 4  # it did not wait for the 5 s batch to commit
+    assert "second SIGINT: stopping at once" in log.read_text()
+    reaped: list[int] = []  # the leases expire (1 s); a reaper takes the requests back
+    wait_for(lambda: reaped.append(queue.reap()[0]) or sum(reaped) == 4, 20,
+             message="the leases to expire and be reaped")
     run_burst(redis_url, queue_name)
     assert [r.output["echo"] for r in queue.results(ids)] == [0, 1, 2, 3]
 

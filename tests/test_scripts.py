@@ -11,6 +11,7 @@ import redis
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
+from tests.conftest import wait_for
 
 
 def requests(*inputs: object, priority: str = "normal", **fields: object) -> list[Request]:
@@ -94,9 +95,21 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
     queue.update_settings(lease_seconds=1)
     queue.enqueue(requests("a", "b"), "c")
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
-    for _ in range(3):
-        time.sleep(0.4)
+
+    def server_ms() -> int:
+        seconds, micros = queue.client.time()
+        return seconds * 1000 + micros // 1000
+
+    def expiries() -> list[float]:
+        return [queue.client.zscore(queue.keys.leased, r.id) for r in claimed]
+    first = expiries()
+    for _ in range(3):  # renewed each time half a lease has passed
+        previous = expiries()
+        wait_for(lambda: server_ms() >= min(previous) - 500, 10, interval=0.01)
+        renewed_at = server_ms()
         assert queue.renew("w", [(r.id, r.token) for r in claimed]) == []
+        assert all(e >= renewed_at + 1000 > p for e, p in zip(expiries(), previous))
+    assert server_ms() > max(first)  # without the renewals these leases had expired
     assert queue.reap() == (0, 0)
     assert queue.renew("w", [("r0", "someone-else")]) == ["r0"]
 

@@ -1,0 +1,128 @@
+"""The deploy files run for real: the Procfile under honcho, and KEDA's query evaluated on
+the metrics of live workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchery import Client
+from tests.conftest import (ROOT, RedisServer, cli_env, free_port, scrape, start_worker,
+                            stop_process, wait_for)
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_procfile_starts_redis_a_worker_and_a_jobs_worker(tmp_path: Path) -> None:
+    """`honcho start` on the Procfile, its ports (Redis 6379, metrics 9100) moved to free
+    ones so that it runs beside anything else on this machine."""
+    redis_port, metrics_port = free_port(), free_port()
+    procfile = (ROOT / "Procfile").read_text()
+    commands = [line for line in procfile.splitlines() if line and not line.startswith("#")]
+    assert all("6379" in line for line in commands) and sum("9100" in c for c in commands) == 1
+    (tmp_path / "Procfile").write_text(procfile.replace("6379", str(redis_port))
+                                       .replace("9100", str(metrics_port)))
+    env = cli_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    log = open(tmp_path / "honcho.log", "w")
+    honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start"], cwd=tmp_path, env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    try:
+        wait_for(lambda: honcho.poll() is None and _answers(url), 60, message="the redis process")
+        with Client(url, "embed") as client:
+            wait_for(lambda: client.queue.stats()["workers"] == 1, 180, message="the worker")
+            result = client.enqueue("the Procfile runs").result(timeout=60)
+            assert result.ok and len(result.output) == 384
+            import redis as redis_py
+            rq_workers = redis_py.Redis.from_url(url).smembers("rq:workers")
+            assert rq_workers, "the jobs process runs an RQ worker"
+        assert (tmp_path / ".batchery" / "redis").is_dir()  # Redis keeps its AOF there
+        assert scrape(metrics_port)  # the worker serves /metrics where the Procfile says
+    finally:
+        if honcho.poll() is None:
+            honcho.send_signal(signal.SIGINT)  # Ctrl-C: honcho stops every process
+        try:
+            honcho.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(honcho.pid, signal.SIGKILL)
+            honcho.wait(10)
+        log.close()
+    text = (tmp_path / "honcho.log").read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert not _answers(url), "redis still runs after honcho stopped"
+
+
+def _answers(url: str) -> bool:
+    import redis as redis_py
+    client = redis_py.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis_py.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+KEDA_QUERY = re.compile(r"^sum\(max by \((\w+)\) \((\w+)\{(\w+)=\"([^\"]+)\"\}\)\)$")
+
+
+def keda_query(samples_per_worker: list[dict]) -> float:
+    """deploy/keda's query over what Prometheus would scrape from these workers. Only the
+    shape sum(max by (L) (metric{label="v"})) is understood: a new shape fails here."""
+    (so,) = yaml.safe_load_all((ROOT / "deploy/keda/scaledobject.yaml").read_text())
+    query = so["spec"]["triggers"][0]["metadata"]["query"]
+    match = KEDA_QUERY.match(query.strip())
+    assert match, f"teach keda_query() the shape of {query!r}"
+    by, metric, label, wanted = match.groups()
+    groups: dict[str, float] = defaultdict(lambda: float("-inf"))
+    for samples in samples_per_worker:
+        for (name, labels), v in samples.items():
+            labels = dict(labels)
+            if name == metric and labels.get(label) == wanted:
+                groups[labels[by]] = max(groups[labels[by]], v)
+    return sum(groups.values())
+
+
+def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path) -> None:
+    server = RedisServer()  # its own server: the query names the queue "embed"
+    gate = tmp_path / "gate"
+    gate.touch()  # the workers hold their batches: the rest stays queued
+    ports = [free_port(), free_port()]
+    workers = []
+    try:
+        with Client(server.url, "embed") as client:
+            client.queue.update_settings(lease_seconds=3)  # depth refreshed every second
+            workers = [start_worker(server.url, "embed", "--runner", "tests.runners:gated",
+                                    "--max-batch-size", "4", "--max-wait-ms", "0",
+                                    "--metrics-port", str(port), log=tmp_path / f"w{port}.log",
+                                    BATCHERY_TEST_GATE=str(gate)) for port in ports]
+            wait_for(lambda: client.queue.stats()["workers"] == 2, 60, message="two workers")
+            client.enqueue_many([{"input": i, "priority": p} for i, p in
+                                 enumerate(["realtime"] * 10 + ["normal"] * 20 + ["batch"] * 30)])
+            wait_for(lambda: client.queue.stats()["inflight"] == 16, 30,
+                     message="each worker to hold a running and a prefetched batch")
+            depth = client.queue.stats()["pending"]
+            assert depth == 60 - 16
+            wait_for(lambda: keda_query([scrape(p) for p in ports]) == depth, 20,
+                     message=f"the KEDA query to read the depth {depth}")
+            naive = sum(v for p in ports for (n, _), v in scrape(p).items()
+                        if n == "batchery_queue_depth")
+            assert naive == 2 * depth  # why the query takes max across workers, not sum
+            gate.unlink()
+            wait_for(lambda: client.queue.stats()["pending"] == 0, 60, message="drained")
+            wait_for(lambda: keda_query([scrape(p) for p in ports]) == 0, 20,
+                     message="the KEDA query to read 0")
+    finally:
+        if gate.exists():
+            gate.unlink()
+        for worker in workers:
+            stop_process(worker)
+        server.close()
