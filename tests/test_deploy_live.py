@@ -22,17 +22,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_procfile_starts_redis_a_worker_and_a_jobs_worker(tmp_path: Path) -> None:
-    """`honcho start` on the Procfile, its ports (Redis 6379, metrics 9100) moved to free
-    ones so that it runs beside anything else on this machine."""
+    """`honcho start` on the Procfile, Redis moved from 6379 to a free port so that it runs
+    beside anything else on this machine; the worker's metrics go to the $PORT honcho
+    gives it (base + 100: the Procfile's second process)."""
     redis_port, metrics_port = free_port(), free_port()
     procfile = (ROOT / "Procfile").read_text()
     commands = [line for line in procfile.splitlines() if line and not line.startswith("#")]
     assert all("6379" in line for line in commands) and sum("9100" in c for c in commands) == 1
-    (tmp_path / "Procfile").write_text(procfile.replace("6379", str(redis_port))
-                                       .replace("9100", str(metrics_port)))
+    (tmp_path / "Procfile").write_text(procfile.replace("6379", str(redis_port)))
     env = cli_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     log = open(tmp_path / "honcho.log", "w")
-    honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start"], cwd=tmp_path, env=env,
+    honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-p",
+                               str(metrics_port - 100)], cwd=tmp_path, env=env,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"redis://127.0.0.1:{redis_port}/0"
     try:
@@ -77,7 +78,7 @@ KEDA_QUERY = re.compile(r"^sum\(max by \((\w+)\) \((\w+)\{(\w+)=\"([^\"]+)\"\}\)
 def keda_query(samples_per_worker: list[dict]) -> float:
     """deploy/keda's query over what Prometheus would scrape from these workers. Only the
     shape sum(max by (L) (metric{label="v"})) is understood: a new shape fails here."""
-    (so,) = yaml.safe_load_all((ROOT / "deploy/keda/scaledobject.yaml").read_text())
+    (so,) = yaml.safe_load_all((ROOT / "deploy/keda/scaledobject-prometheus.yaml").read_text())
     query = so["spec"]["triggers"][0]["metadata"]["query"]
     match = KEDA_QUERY.match(query.strip())
     assert match, f"teach keda_query() the shape of {query!r}"
