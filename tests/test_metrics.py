@@ -41,7 +41,7 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
                                          {"input": "bad", "priority": "batch"},
                                          {"input": "c2", "priority": "batch"}])
             # the realtime pair is claimed ahead; the three batch-class requests wait
-            wait_for(lambda: (s := scrape(port)) and value(s, "batchery_inflight") == 4
+            wait_for(lambda: (s := scrape(port)) and value(s, "batchery_inflight", **q) == 4
                      and value(s, "batchery_queue_depth", **q, priority="batch") == 3
                      and value(s, "batchery_queue_depth", **q, priority="realtime") == 0
                      and value(s, "batchery_queue_depth", **q, priority="normal") == 0, 20,
@@ -49,7 +49,7 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
             gate.unlink()
             results = [h.result(timeout=60) for h in [*first, *later]]
             assert [r.status for r in results] == ["ok"] * 5 + ["dead", "ok"]
-            samples = wait_for(lambda: (s := scrape(port)) and value(s, "batchery_inflight") == 0
+            samples = wait_for(lambda: (s := scrape(port)) and value(s, "batchery_inflight", **q) == 0
                                and value(s, "batchery_queue_depth", **q, priority="batch") == 0
                                and s, 20, message="the queue drained on /metrics")
     finally:
@@ -59,17 +59,17 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
                               ("batch", "dead")]}
     assert requests == {("normal", "ok"): 2, ("realtime", "ok"): 2, ("batch", "ok"): 2,
                         ("batch", "dead"): 1}
-    assert value(samples, "batchery_retries_total") == 1  # "bad" failed once, then again: dead
-    assert value(samples, "batchery_dead_letters_total") == 1
-    assert value(samples, "batchery_oom_backoffs_total") == 0
+    assert value(samples, "batchery_retries_total", **q) == 1  # "bad" failed once, then again: dead
+    assert value(samples, "batchery_dead_letters_total", **q) == 1
+    assert value(samples, "batchery_oom_backoffs_total", **q) == 0
     # every successful run is one observation; each ok request ran once, "bad" never did
-    runs = value(samples, "batchery_batch_size_count")
-    assert value(samples, "batchery_batch_size_sum") == 6 and 3 <= runs <= 6
+    runs = value(samples, "batchery_batch_size_count", **q)
+    assert value(samples, "batchery_batch_size_sum", **q) == 6 and 3 <= runs <= 6
     for name in ("batchery_inference_seconds", "batchery_batch_tokens",
                  "batchery_padding_efficiency"):
-        assert value(samples, f"{name}_count") == runs, name
-    assert value(samples, "batchery_batch_size_bucket", le="2.0") == runs  # batches of 1 or 2
+        assert value(samples, f"{name}_count", **q) == runs, name
+    assert value(samples, "batchery_batch_size_bucket", **q, le="2.0") == runs  # batches of 1 or 2
     # one wait per claim: "bad" was claimed twice
-    waits = {p: value(samples, "batchery_queue_wait_seconds_count", priority=p)
+    waits = {p: value(samples, "batchery_queue_wait_seconds_count", **q, priority=p)
              for p in ("normal", "realtime", "batch")}
     assert waits == {"normal": 2, "realtime": 2, "batch": 4}

@@ -30,8 +30,8 @@ def failing_over(size: int, error: Callable[[int], BaseException]) -> Callable[[
     return factory
 
 
-def backoffs() -> float:
-    return REGISTRY.get_sample_value("batchery_oom_backoffs_total") or 0.0
+def backoffs(queue: str) -> float:
+    return REGISTRY.get_sample_value("batchery_oom_backoffs_total", {"queue": queue}) or 0.0
 
 
 @pytest.mark.parametrize("error", [
@@ -42,19 +42,19 @@ def backoffs() -> float:
 ], ids=["cuda-oom", "cuda-oom-class-only", "runtime-error-message", "memory-error"])
 def test_out_of_memory_is_recognised_and_halves_the_batch(redis_url: str, queue_name: str,
                                                           error: Callable) -> None:
-    before = backoffs()
+    before = backoffs(queue_name)
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": i} for i in range(16)])
         run_burst(redis_url, queue_name, failing_over(4, error), max_batch_size=16)
         results = [h.result(timeout=10) for h in handles]
     assert {r.status for r in results} == {"ok"} and {r.attempts for r in results} == {1}
     assert {r.batch_size for r in results} == {4}  # 16 -> 8 -> 4: halved, not run alone
-    assert backoffs() - before == 2  # the 16, then the first 8 (the cap splits the other)
+    assert backoffs(queue_name) - before == 2  # the 16, then the first 8 (the cap splits the other)
 
 
 def test_another_runtime_error_is_not_taken_for_out_of_memory(redis_url: str,
                                                              queue_name: str) -> None:
-    before = backoffs()
+    before = backoffs(queue_name)
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": i} for i in range(8)])
         run_burst(redis_url, queue_name,
@@ -62,7 +62,7 @@ def test_another_runtime_error_is_not_taken_for_out_of_memory(redis_url: str,
                   max_batch_size=8)
         results = [h.result(timeout=10) for h in handles]
     assert {r.batch_size for r in results} == {1}  # single-request fallback, no halving
-    assert backoffs() == before
+    assert backoffs(queue_name) == before
 
 
 def test_the_batch_cap_lasts_its_hold_then_lifts(redis_url: str, queue_name: str) -> None:
