@@ -1,0 +1,310 @@
+"""The generate worker: continuous batching (iteration-level scheduling, as in Orca)
+fed from the prioritized queue.
+
+The model thread keeps a token budget of sequences in flight (``--max-batch-tokens``:
+each sequence reserves its prompt plus its ``max_new_tokens`` of KV cache, and at most
+``--max-batch-size`` run at once). After every decode step it claims from Redis into the
+room that is free, by the same claim script (priority with aging) as batch workers, so
+a realtime arrival is prefilled and joins at the next step. A sequence that finishes
+(EOS, a stop string, max_new_tokens), is cancelled or passes its deadline leaves at
+once; its result is committed by the ResultWriter while the batch decodes on.
+
+Leases: the heartbeat renews them while sequences run; between steps (every
+LEASE_CHECK_S) the worker checks it still holds them, so a cancelled request stops
+within a step or two and frees its room. A claimed request with no room yet (the
+claim always takes the head, whatever its size) waits in ``waiting`` under its lease.
+
+SIGTERM: stop claiming, hand waiting requests back to the queue, finish every running
+sequence (a sequence has at most 1024 new tokens left: seconds), commit, exit 0. A
+second signal exits at once; the leases lapse and the reaper queues those sequences
+again (rerun from the start; their streams say "restarted").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchery.batching.messages import Claimed
+from batchery.batching.queue import RequestQueue
+from batchery.batching.streams import StreamWriter
+from batchery.workers import metrics
+from batchery.workers.claiming import Claimer
+from batchery.workers.execution import BatchCap, Executed, Outcome, failure
+from batchery.workers.leases import Heartbeat, Leases, report_redis_error
+from batchery.workers.loop import Worker, _retrying
+from batchery.workers.results import ResultWriter
+from batchery.workers.runners import InputError
+from batchery.workers.runners.decoding import Sequence
+
+log = logging.getLogger(__name__)
+LEASE_CHECK_S = 0.05  # how often running sequences are checked for cancellation
+RETRY_CAP_S = 5.0
+
+
+@dataclass(eq=False)
+class Slot:
+    """A claimed request on this worker: the claim and the local clock's view of it."""
+
+    request: Claimed
+    claimed_ms: int        # Redis clock at claim
+    deadline: float | None  # time.monotonic() past which it stops (finish_reason deadline)
+    started: float = 0.0   # time.perf_counter() at prefill
+
+
+class GenerateWorker(Worker):
+    """``--task generate``: the Worker's signals, announce and shutdown, with the model
+    thread running a decode loop instead of whole batches."""
+
+    def _serve(self, queue_: RequestQueue, burst: bool) -> None:
+        leases = Leases()
+        ends = StreamWriter(queue_.client, queue_.keys)  # the writer thread's own
+        writer = ResultWriter(queue_, self.id, leases, lambda done: _end_streams(ends, done))
+        heartbeat = Heartbeat(queue_, self.id, leases, self.stop)
+        claimer = Claimer(queue_, self.runner, self.options, leases,
+                          BatchCap(self.options.oom_hold_s), writer.submit, self.stop, burst)
+        _retrying(heartbeat.beat)
+        writer.start()
+        heartbeat.start()
+        log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache",
+                 self.id, queue_.name, self.options.max_batch_size, self.options.max_batch_tokens)
+        loop = DecodeLoop(queue_, self.runner, claimer, leases, writer, self.options)
+        loop.run(self.stop, burst)
+        writer.close()
+        self.stop.set()
+        heartbeat.join()
+        _retrying(lambda: queue_.leave(self.id))
+        self.batches_run = loop.batch.steps
+        log.info("worker %s stopped after %d decode steps", self.id, loop.batch.steps)
+
+
+def _end_streams(ends: StreamWriter, committed: list[Outcome]) -> None:
+    """End the streams of committed results: their readers read the result next."""
+    for o in committed:
+        if isinstance(o.request.input, dict) and o.request.input.get("stream") is True:
+            reason = o.output.get("finish_reason", "") if isinstance(o.output, dict) else "error"
+            ends.end(o.request.id, reason)
+    ends.flush()
+
+
+class DecodeLoop:
+    def __init__(self, queue_: RequestQueue, runner: Any, claimer: Claimer, leases: Leases,
+                 writer: ResultWriter, options: Any) -> None:
+        self.queue, self.runner, self.claimer = queue_, runner, claimer
+        self.leases, self.writer, self.options = leases, writer, options
+        self.batch = runner.new_batch()
+        self.waiting: list[Sequence] = []   # claimed, no room yet
+        self.streams = StreamWriter(queue_.client, queue_.keys)
+        self._checked = time.monotonic()
+        self._claim_backoff, self._claim_after = 0.1, 0.0
+
+    def run(self, stop: Any, burst: bool) -> None:
+        handed_back = False
+        while True:
+            if stop.is_set() and not handed_back:
+                self._hand_back()
+                handed_back = True
+            if not stop.is_set():
+                if self._fill(burst) is None:
+                    return  # a burst worker with nothing left
+            if not self.batch.rows:
+                if stop.is_set():
+                    return
+                continue
+            self._step()
+            self._check_leases()
+            self._flush_streams()
+
+    # -- admission -------------------------------------------------------------------
+    def _room(self) -> tuple[int, int]:
+        held = self.batch.rows + self.waiting
+        return (self.options.max_batch_size - len(held),
+                self.options.max_batch_tokens - sum(s.reserved for s in held))
+
+    def _fill(self, burst: bool) -> bool | None:
+        """Admit waiting requests, then claim into the room left; None: burst over."""
+        self._admit([])
+        slots, tokens = self._room()
+        if self.waiting or slots < 1 or tokens < 1 or time.monotonic() < self._claim_after:
+            return True
+        idle = not self.batch.rows
+        held_before = len(self.leases)
+        try:
+            claimed, reply = self.claimer.claim_requests(
+                slots, tokens, self.options.max_wait_ms if idle else 0)
+            self._claim_backoff = 0.1
+        except Exception as exc:  # Redis away: keep decoding, claim again later
+            report_redis_error("claim", exc, self._claim_backoff)
+            self._claim_after = time.monotonic() + self._claim_backoff
+            self._claim_backoff = min(2 * self._claim_backoff, RETRY_CAP_S)
+            if idle:
+                time.sleep(self._claim_backoff)
+            return True
+        if claimed:
+            self._admit([self._sequence(r, reply.now_ms) for r in claimed])
+        elif idle:
+            if reply.wait_ms == -1 and burst and not held_before:
+                return None
+            self.claimer.idle(reply)
+        return True
+
+    def _sequence(self, request: Claimed, now_ms: int) -> Sequence | None:
+        """The request as a sequence; a request that cannot run fails here, alone."""
+        deadline = (time.monotonic() + (request.expire_ms - now_ms) / 1000
+                    if request.expire_ms else None)
+        slot = Slot(request, now_ms, deadline)
+        try:
+            return self.runner.sequence(slot, request.input)
+        except Exception as exc:  # InputError: no retry; anything else: the runner's bug
+            self.writer.submit(Executed(now_ms, [failure(request, exc)]))
+            return None
+
+    def _admit(self, claimed: list[Sequence | None]) -> None:
+        """Prefill what fits, in claim order; the rest waits for room."""
+        queue_ = self.waiting + [s for s in claimed if s is not None]
+        self.waiting, joining = [], []
+        slots, tokens = self.options.max_batch_size - len(self.batch.rows), \
+            self.options.max_batch_tokens - sum(s.reserved for s in self.batch.rows)
+        for s in queue_:
+            fits = not self.waiting and len(joining) < slots and s.reserved <= tokens
+            if fits or not (self.batch.rows or joining):  # an empty batch takes anything
+                joining.append(s)
+                tokens -= s.reserved
+            else:
+                self.waiting.append(s)
+        if not joining:
+            return
+        for s in joining:
+            s.key.started = time.perf_counter()
+            if s.params.stream:
+                self.streams.start(s.key.request.id, s.key.request.attempt)
+        try:
+            tokens_ = self.batch.add(joining)
+        except Exception as exc:  # a prefill that fails fails its newcomers (retried)
+            log.warning("prefill of %d request(s) failed: %s", len(joining), exc)
+            self._commit([], failed=[(s, exc) for s in joining])
+            return
+        self._advance(joining, tokens_)
+
+    def _hand_back(self) -> None:
+        """At SIGTERM: requests not started go back to the queue at their rank."""
+        if self.waiting:
+            leases = [(s.key.request.id, s.key.request.token) for s in self.waiting]
+            _retrying(lambda: self.queue.release(leases))
+            self.leases.drop(i for i, _ in leases)
+            log.info("returned %d claimed request(s) to the queue; finishing %d running",
+                     len(leases), len(self.batch.rows))
+            self.waiting = []
+
+    # -- decoding --------------------------------------------------------------------
+    def _step(self) -> None:
+        rows = list(self.batch.rows)
+        started = time.perf_counter()
+        try:
+            tokens = self.batch.step()
+        except Exception as exc:  # every running sequence fails this attempt (retried)
+            log.warning("decode step over %d sequences failed: %s", len(rows), exc)
+            self.batch.drop(rows)
+            self._commit([], failed=[(s, exc) for s in rows])
+            return
+        metrics.INFERENCE.observe(time.perf_counter() - started)
+        metrics.BATCH_SIZE.observe(len(rows))
+        self._advance(rows, tokens)
+
+    def _advance(self, rows: list[Sequence], tokens: list[int]) -> None:
+        """Append each row's token; rows that ended leave the batch and are committed."""
+        now = time.monotonic()
+        ended = []
+        for s, token in zip(rows, tokens):
+            self._append(s, token)
+            if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
+                s.finish_reason = "deadline"
+            if s.params.stream:
+                self._stream(s)
+            if s.finish_reason:
+                ended.append(s)
+        if ended:
+            self.batch.drop(ended)
+            self._commit(ended)
+
+    def _append(self, s: Sequence, token: int) -> None:
+        p = s.params
+        if token in self.runner.eos_ids:
+            s.finish_reason = "stop"
+        else:
+            s.generated.append(token)
+        if p.stop or p.stream or s.finish_reason:
+            s.text = self.runner.text(s.generated)
+        if p.stop:
+            cut = min((i for i in (s.text.find(stop) for stop in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                s.text, s.finish_reason = s.text[:cut], "stop"
+        if s.finish_reason is None and len(s.generated) >= p.max_new_tokens:
+            s.finish_reason = "length"
+            s.text = s.text if p.stop or p.stream else self.runner.text(s.generated)
+
+    def _stream(self, s: Sequence) -> None:
+        """Write the text that can no longer change: up to the last space (a word's next
+        piece or a cleanup of spaces can change the word being decoded) and before what
+        could begin a stop string; all of it at the end."""
+        shown = len(s.text)
+        if not s.finish_reason:
+            shown = min(shown - s.params.holdback, s.text.rfind(" "))
+        if shown > s.streamed:
+            self.streams.text(s.key.request.id, s.text[s.streamed:shown], len(s.generated))
+            s.streamed = shown
+
+    def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
+        self._flush_streams()  # a stream's text goes before its end, which follows the commit
+        size = len(self.batch.rows) + len(ended)
+        outcomes = []
+        for s in ended:
+            output = {"text": s.text, "tokens": len(s.generated), "finish_reason": s.finish_reason}
+            run_ms = round((time.perf_counter() - s.key.started) * 1000, 3)
+            if s.finish_reason == "deadline":
+                outcomes.append(Outcome(s.key.request, output=output, expired=True, batch_size=size,
+                                        run_ms=run_ms, error={"type": "DeadlineExceeded", "message":
+                                        "the deadline passed while generating; output holds the "
+                                        "text so far"}))
+            else:
+                outcomes.append(Outcome(s.key.request, output=output, batch_size=size, run_ms=run_ms))
+        failed = failed or []
+        outcomes += [failure(s.key.request, exc) for s, exc in failed]
+        by_claim: dict[int, list[Outcome]] = {}
+        for s, o in zip([*ended, *(s for s, _ in failed)], outcomes):
+            by_claim.setdefault(s.key.claimed_ms, []).append(o)
+        for claimed_ms, group in by_claim.items():
+            self.writer.submit(Executed(claimed_ms, group))
+
+    # -- between steps -----------------------------------------------------------------
+    def _check_leases(self) -> None:
+        """Stop sequences whose lease is gone (cancelled, or taken over after a stall)."""
+        if time.monotonic() - self._checked < LEASE_CHECK_S:
+            return
+        self._checked = time.monotonic()
+        held = self.batch.rows + self.waiting
+        try:
+            still = self.queue.held([(s.key.request.id, s.key.request.token) for s in held])
+        except Exception as exc:  # cannot tell now: the next check will
+            log.debug("lease check failed: %s", exc)
+            return
+        lost = [s for s, ok in zip(held, still) if not ok]
+        if not lost:
+            return
+        self.batch.drop(lost)
+        self.waiting = [s for s in self.waiting if s not in lost]
+        self.leases.drop(s.key.request.id for s in lost)
+        for s in lost:
+            s.finish_reason = "cancelled"
+            if s.params.stream:
+                self._stream(s)
+                self.streams.end(s.key.request.id, "cancelled")
+        log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
+
+    def _flush_streams(self) -> None:
+        try:
+            self.streams.flush()
+        except Exception as exc:  # streams are best effort; results are not
+            log.warning("writing token streams failed: %s", exc)
