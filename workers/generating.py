@@ -23,6 +23,7 @@ again (rerun from the start; their streams say "restarted").
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,7 @@ class GenerateWorker(Worker):
         heartbeat.start()
         log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache",
                  self.id, queue_.name, self.options.max_batch_size, self.options.max_batch_tokens)
-        loop = DecodeLoop(queue_, self.runner, claimer, leases, writer, self.options)
+        self.loop = loop = DecodeLoop(queue_, self.runner, claimer, leases, writer, self.options)
         loop.run(self.stop, burst)
         writer.close()
         self.stop.set()
@@ -218,11 +219,13 @@ class DecodeLoop:
         now = time.monotonic()
         ended = []
         for s, token in zip(rows, tokens):
+            before = s.text
             self._append(s, token)
             if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
                 s.finish_reason = "deadline"
+                s.text = s.text if s.params.stop else self.runner.text(s.generated)
             if s.params.stream:
-                self._stream(s)
+                self._stream(s, before)
             if s.finish_reason:
                 ended.append(s)
         if ended:
@@ -245,13 +248,14 @@ class DecodeLoop:
             s.finish_reason = "length"
             s.text = s.text if p.stop or p.stream else self.runner.text(s.generated)
 
-    def _stream(self, s: Sequence) -> None:
-        """Write the text that can no longer change: up to the last space (a word's next
-        piece or a cleanup of spaces can change the word being decoded) and before what
-        could begin a stop string; all of it at the end."""
+    def _stream(self, s: Sequence, before: str) -> None:
+        """Write the text that can no longer change: what the tokens before the last one
+        decode to (the last token may still join the next into one word, or be half a
+        character), less what could begin a stop string; all of it at the end."""
         shown = len(s.text)
         if not s.finish_reason:
-            shown = min(shown - s.params.holdback, s.text.rfind(" "))
+            stable = os.path.commonprefix([before, s.text]).rstrip("\ufffd")
+            shown = min(len(stable), shown - s.params.holdback)
         if shown > s.streamed:
             self.streams.text(s.key.request.id, s.text[s.streamed:shown], len(s.generated))
             s.streamed = shown
@@ -299,7 +303,7 @@ class DecodeLoop:
         for s in lost:
             s.finish_reason = "cancelled"
             if s.params.stream:
-                self._stream(s)
+                self._stream(s, s.text)
                 self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
 

@@ -56,8 +56,10 @@ class GenerateRunner(HFRunner):
         prompts = [text_of(v, ("prompt", "text")) for v in inputs]
         new_tokens = [_new_tokens(v) for v in inputs]
         room = max(1, self.max_input_tokens - max(new_tokens))
+        # no token_type_ids: a BERT-style tokenizer returns them, and GPT-2 would add them
+        # to its inputs as token embeddings (of id 0), changing what it generates
         encoded = self._tokenizer(prompts, padding=True, truncation=True, max_length=room,
-                                  return_tensors="pt")
+                                  return_tensors="pt", return_token_type_ids=False)
         mask = encoded["attention_mask"]
         lengths = [int(n) + m for n, m in zip(mask.sum(dim=1).tolist(), new_tokens)]
         padded = (mask.shape[1] + max(new_tokens)) * len(prompts)
