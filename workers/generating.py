@@ -22,8 +22,8 @@ again (rerun from the start; their streams say "restarted").
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -175,19 +175,26 @@ class DecodeLoop:
                 tokens -= s.reserved
             else:
                 self.waiting.append(s)
-        if not joining:
-            return
+        # most urgent first, each priority class in its own prefill: a realtime newcomer's
+        # first token does not wait for a long batch-class prompt claimed with it
+        joining.sort(key=lambda s: s.key.request.rank)
+        for _, group in itertools.groupby(joining, key=lambda s: s.key.request.priority):
+            self._prefill(list(group))
+
+    def _prefill(self, joining: list[Sequence]) -> None:
         for s in joining:
             s.key.started = time.perf_counter()
             if s.params.stream:
                 self.streams.start(s.key.request.id, s.key.request.attempt)
+        self._flush_streams()  # readers see the start now, the first text after the prefill
         try:
-            tokens_ = self.batch.add(joining)
+            tokens = self.batch.add(joining)
         except Exception as exc:  # a prefill that fails fails its newcomers (retried)
             log.warning("prefill of %d request(s) failed: %s", len(joining), exc)
             self._commit([], failed=[(s, exc) for s in joining])
             return
-        self._advance(joining, tokens_)
+        self._advance(joining, tokens)
+        self._flush_streams()  # the first token goes out before the next decode step
 
     def _hand_back(self) -> None:
         """At SIGTERM: requests not started go back to the queue at their rank."""
@@ -219,13 +226,12 @@ class DecodeLoop:
         now = time.monotonic()
         ended = []
         for s, token in zip(rows, tokens):
-            before = s.text
             self._append(s, token)
             if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
                 s.finish_reason = "deadline"
                 s.text = s.text if s.params.stop else self.runner.text(s.generated)
             if s.params.stream:
-                self._stream(s, before)
+                self._stream(s)
             if s.finish_reason:
                 ended.append(s)
         if ended:
@@ -248,17 +254,18 @@ class DecodeLoop:
             s.finish_reason = "length"
             s.text = s.text if p.stop or p.stream else self.runner.text(s.generated)
 
-    def _stream(self, s: Sequence, before: str) -> None:
-        """Write the text that can no longer change: what the tokens before the last one
-        decode to (the last token may still join the next into one word, or be half a
-        character), less what could begin a stop string; all of it at the end."""
+    def _stream(self, s: Sequence) -> None:
+        """Write the new text, less a trailing half character (a byte-level token may
+        end inside one) and what could begin a stop string; all of it at the end. If
+        decoding ever rewrote text already sent, the rest waits for the result."""
+        if not s.text.startswith(s.sent):
+            return
         shown = len(s.text)
         if not s.finish_reason:
-            stable = os.path.commonprefix([before, s.text]).rstrip("\ufffd")
-            shown = min(len(stable), shown - s.params.holdback)
-        if shown > s.streamed:
-            self.streams.text(s.key.request.id, s.text[s.streamed:shown], len(s.generated))
-            s.streamed = shown
+            shown = min(len(s.text.rstrip("\ufffd")), shown - s.params.holdback)
+        if shown > len(s.sent):
+            self.streams.text(s.key.request.id, s.text[len(s.sent):shown], len(s.generated))
+            s.sent = s.text[:shown]
 
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
@@ -303,7 +310,7 @@ class DecodeLoop:
         for s in lost:
             s.finish_reason = "cancelled"
             if s.params.stream:
-                self._stream(s, s.text)
+                self._stream(s)
                 self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
 

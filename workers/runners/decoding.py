@@ -39,7 +39,7 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None  # stop | length | cancelled | deadline, once it ended
     text: str = ""                   # the decoded text, cut before a stop string
-    streamed: int = 0                # characters of ``text`` already written to its stream
+    sent: str = ""                   # the text already written to its stream
 
     @property
     def reserved(self) -> int:
@@ -73,7 +73,7 @@ class DecodeBatch:
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True)
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         for s in seqs:
             s.generator = s.generator or new_generator(s.params)
         tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in seqs],
