@@ -182,13 +182,10 @@ class RequestQueue:
             args += [request_id, token]
         return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
 
-    def held(self, leases: Sequence[tuple[str, str]]) -> list[bool]:
-        """Whether each (id, lease token) still holds its lease: False once the request was
-        cancelled or its lease taken over (one read, for a check between decode steps)."""
-        if not leases:
-            return []
-        owners = self.client.hmget(self.keys.owner, [request_id for request_id, _ in leases])
-        return [owner == token for owner, (_, token) in zip(owners, leases)]
+    def holders(self, ids: Sequence[str]) -> list[str | None]:
+        """The lease token holding each request now; None once it was cancelled or
+        finished (one read, for a check between decode steps)."""
+        return list(self.client.hmget(self.keys.owner, list(ids))) if ids else []
 
     def reap(self, limit: int = 1000) -> tuple[int, int]:
         """Take back expired leases: (requeued, dead-lettered)."""
