@@ -133,13 +133,17 @@ class DecodeLoop:
                 self.streams.start(s.key.request.id, s.key.request.attempt)
         self._flush_streams()  # readers see the start now, the first text after the prefill
         try:
-            tokens = self.batch.add(joining)
+            tokens, join = self.batch.prefill(joining)
         except Exception as exc:  # a prefill that fails fails its newcomers (retried)
             log.warning("prefill of %d request(s) failed: %s", len(joining), exc)
             self._commit([], failed=[(s, exc) for s in joining])
             return
-        self._advance(joining, tokens)
-        self._flush_streams()  # the first token goes out before the next decode step
+        self._advance(joining, tokens, joined=False)
+        self._flush_streams()  # the first tokens go out before the cache is copied
+        join()
+        ended = [s for s in joining if s.finish_reason]
+        if ended:  # done at their first token (max_new_tokens 1, EOS, a stop string)
+            self.batch.drop(ended)
 
     def _hand_back(self) -> None:
         """At SIGTERM: requests not started go back to the queue at their rank."""
@@ -166,8 +170,9 @@ class DecodeLoop:
         metrics.BATCH_SIZE.observe(len(rows))
         self._advance(rows, tokens)
 
-    def _advance(self, rows: list[Sequence], tokens: list[int]) -> None:
-        """Append each row's token; rows that ended leave the batch and are committed."""
+    def _advance(self, rows: list[Sequence], tokens: list[int], joined: bool = True) -> None:
+        """Append each row's token; rows that ended are committed and (``joined``: they
+        are in the batch) leave it."""
         now = time.monotonic()
         ended = []
         for s, token in zip(rows, tokens):
@@ -180,7 +185,8 @@ class DecodeLoop:
             if s.finish_reason:
                 ended.append(s)
         if ended:
-            self.batch.drop(ended)
+            if joined:
+                self.batch.drop(ended)
             self._commit(ended)
 
     def _append(self, s: Sequence, token: int) -> None:

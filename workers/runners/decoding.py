@@ -19,7 +19,7 @@ stop a sequence whose lease was lost, or count steps. The scheduling is the prod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,14 @@ class DecodeBatch:
     @torch.inference_mode()
     def add(self, seqs: list[Sequence]) -> list[int]:
         """Prefill newcomers and stack them under the running rows; their first tokens."""
+        tokens, joined = self.prefill(seqs)
+        joined()
+        return tokens
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> tuple[list[int], Callable[[], None]]:
+        """Prefill newcomers: their first tokens, and the call that stacks them under the
+        running rows (copying the cache: the first tokens can go out before it)."""
         width = max(len(s.prompt_ids) for s in seqs)
         ids = torch.tensor([[self.pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in seqs],
                            device=self.device)
@@ -78,11 +86,14 @@ class DecodeBatch:
             s.generator = s.generator or new_generator(s.params)
         tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in seqs],
                         [s.generator for s in seqs])
-        self._stack(out.past_key_values, mask)
-        self.rows += seqs
-        self._pos = torch.cat([self._pos, mask.sum(dim=-1)])
-        self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
-        return tokens
+
+        @torch.inference_mode()
+        def joined() -> None:
+            self._stack(out.past_key_values, mask)
+            self.rows += seqs
+            self._pos = torch.cat([self._pos, mask.sum(dim=-1)])
+            self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
+        return tokens, joined
 
     @torch.inference_mode()
     def step(self) -> list[int]:
