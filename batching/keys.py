@@ -119,3 +119,8 @@ class Keys:
 
     def reply(self, client_id: str) -> str:
         return self.reply_prefix + client_id
+
+    def stream(self, request_id: str) -> str:
+        """STREAM of a generation's events (start, tokens, end), trimmed and expiring:
+        see batching/streams.py."""
+        return self._key("stream:") + request_id

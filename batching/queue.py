@@ -210,6 +210,11 @@ class RequestQueue:
             args += [request_id, token]
         return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
 
+    def holders(self, ids: Sequence[str]) -> list[str | None]:
+        """The lease token holding each request now; None once it was cancelled or
+        finished (one read, for a check between decode steps)."""
+        return list(self.client.hmget(self.keys.owner, list(ids))) if ids else []
+
     def reap(self, limit: int = 1000) -> tuple[int, int]:
         """Take back expired leases: (requeued, dead-lettered); forget dead letters older
         than dead_ttl."""

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import common, contention, model, priorities, queue_cost, start_order
+from bench import common, contention, generate, model, priorities, queue_cost, start_order
 
 BENCHMARKS = (("Real model", model), ("Defaults and start order", start_order),
               ("Sharing the cores", contention),
-              ("Queue cost", queue_cost), ("Priorities", priorities))
+              ("Queue cost", queue_cost), ("Priorities", priorities), ("Generation", generate))
 
 
 def main() -> None:

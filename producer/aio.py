@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 from batchery.batching.messages import Request, Result
 from batchery.batching.keys import QUEUES, Keys
@@ -14,6 +14,7 @@ import redis
 from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
                                      parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.scripts import Scripts
+from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
@@ -55,6 +56,27 @@ class AsyncHandle:
     async def cancel(self) -> bool:
         """Cancel the request: True unless it had finished otherwise."""
         return is_cancelled((await self._client.cancel([self.id]))[0], self._future)
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
+        """``Handle.stream`` awaited: text as generated, "restarted", then "result"."""
+        timeout = check_timeout(timeout)
+        reader = StreamReader(self._client.keys, self.id)
+        heard = time.monotonic()
+        while not reader.ended:
+            events = await reader.aread(self._client._conn)
+            for event in events:
+                yield event
+            if events:
+                heard = time.monotonic()
+            elif not reader.ended and (self._future.done() or isinstance(
+                    (await self._client.lookup([self.id]))[0], Result)):
+                for event in await reader.aread(self._client._conn, block=False):
+                    yield event
+                break
+            elif timeout is not None and time.monotonic() - heard >= timeout:
+                raise ResultTimeout(f"nothing streamed for request {self.id!r} within "
+                                    f"{timeout}s; it stays queued: wait again, or cancel it")
+        yield StreamEvent("result", result=await self.result(timeout))
 
 
 class AsyncClient:

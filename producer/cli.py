@@ -23,10 +23,13 @@ from batchery.batching.messages import parse_priority
 @click.option("--id", "request_id", help="Request id (one input only); enqueue is idempotent by id.")
 @click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines "
               "(exit 7 if one is not ok).")
-@click.option("--timeout", type=FINITE, default=60.0, show_default=True, help="With --wait.")
+@click.option("--stream", is_flag=True, help="Generation (one input): print its text as it "
+              "is generated, then its result as JSON on stderr.")
+@click.option("--timeout", type=FINITE, default=60.0, show_default=True,
+              help="With --wait: for each result; with --stream: for each piece of text.")
 def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
-            deadline: float | None, request_id: str | None, wait: bool, timeout: float,
-            queue: str, redis_url: str, cluster: bool) -> None:
+            deadline: float | None, request_id: str | None, wait: bool, stream: bool,
+            timeout: float, queue: str, redis_url: str, cluster: bool) -> None:
     """Queue requests; print their ids, or with --wait their results."""
     values: list[Any] = list(texts)
     for i, raw in enumerate(inputs, 1):
@@ -39,10 +42,14 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
         raise click.UsageError("give at least one --text or --input")
     if request_id is not None and len(values) > 1:
         raise click.UsageError("--id names one request: give one input with it")
+    if stream:
+        values = [_streamed(values)]
     with Client(redis_url, queue, cluster=cluster) as client:
         handles = client.enqueue_many([{"input": v, "priority": parse_priority(priority),
                                         "deadline": deadline, "id": request_id} for v in values],
-                                      reply=wait)
+                                      reply=wait or stream)
+        if stream:
+            raise SystemExit(_print_stream(handles[0], timeout))
         for handle in handles:
             if not wait:
                 click.echo(handle.id)
@@ -54,6 +61,33 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
             if failed:
                 raise NotOk(f"{len(failed)} of {len(results)} request(s) did not succeed "
                             f"(first: {failed[0].id} {failed[0].status})")
+
+
+def _streamed(values: list[Any]) -> dict[str, Any]:
+    """The one input of --stream, asking the worker to stream it."""
+    if len(values) != 1:
+        raise click.UsageError("--stream follows one generation: give one --text or --input")
+    value = values[0]
+    if isinstance(value, str):
+        return {"prompt": value, "stream": True}
+    if not isinstance(value, dict):
+        raise InvalidRequest("--stream needs a prompt: --text 'Once upon a time' or --input "
+                             "'{\"prompt\": \"...\", \"max_new_tokens\": 64}'")
+    return {**value, "stream": True}
+
+
+def _print_stream(handle: Any, timeout: float) -> int:
+    """Text to stdout as it comes; a rerun's restart and the result to stderr. Exit 0 if ok."""
+    for event in handle.stream(timeout=timeout):
+        if event.kind == "text":
+            click.echo(event.text, nl=False)
+        elif event.kind == "restarted":
+            click.echo(f"\n[restarted: run {event.attempt} starts over]", err=True)
+        else:
+            click.echo("")
+            click.echo(event.result.to_json(), err=True)
+            return 0 if event.result.ok else NotOk.exit_code
+    return 1
 
 
 def register(group: click.Group) -> None:

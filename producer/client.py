@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from batchery.batching.messages import CANCELLED, Request, Result
 from batchery.batching.queue import RequestQueue
+from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import InvalidRequest, RequestLost, ResultTimeout
@@ -111,6 +112,32 @@ class Handle:
             if deadline is not None and time.monotonic() >= deadline:
                 raise ResultTimeout(f"no result for request {self.id!r} within {timeout}s; it "
                                     "stays queued: wait again, or cancel it")
+
+    def stream(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """A generation's text as the worker writes it, then its result: StreamEvents of
+        kind "text" (``.text``, ``.tokens`` so far), "restarted" (a rerun began from the
+        start: drop the text so far) and last "result" (``.result``). A request enqueued
+        without ``"stream": true`` in its input yields its result alone. ``timeout``
+        bounds the wait for each event; raises ResultTimeout past it."""
+        timeout = check_timeout(timeout)
+        reader = StreamReader(self._client.queue.keys, self.id)
+        heard = time.monotonic()
+        while not reader.ended:
+            events = reader.read(self._client.queue.client)
+            yield from events
+            if events:
+                heard = time.monotonic()
+            elif not reader.ended and self._finished():
+                yield from reader.read(self._client.queue.client, block=False)
+                break
+            elif timeout is not None and time.monotonic() - heard >= timeout:
+                raise ResultTimeout(f"nothing streamed for request {self.id!r} within "
+                                    f"{timeout}s; it stays queued: wait again, or cancel it")
+        yield StreamEvent("result", result=self.result(timeout))
+
+    def _finished(self) -> bool:
+        """A result is in (a cancel, an expiry, a dead letter: results with no stream end)."""
+        return self._future.done() or isinstance(self._client.queue.lookup([self.id])[0], Result)
 
     def done(self) -> bool:
         return self._future.done()

@@ -107,12 +107,25 @@ class Claimer(threading.Thread):
     def claim_once(self) -> list[Batch] | None:
         """Claim and prepare; [] when nothing is ready yet, None when a burst is over."""
         o = self.options
-        self._claims += 1
-        token = f"{o.worker_id}#{self._claims}"
         # read before the claim: the writer drops a lease only after its retry is scheduled,
         # so none held then and nothing pending nor delayed now means the burst is over
         held_before = len(self.leases)
-        reply = self._claim(token)
+        batch, reply = self.claim_requests(self.cap.apply(o.max_batch_size), o.max_batch_tokens,
+                                           o.max_wait_ms)
+        if batch:
+            return self.prepare(batch, reply.now_ms)
+        if reply.wait_ms == -1 and self.burst and not held_before:
+            return None
+        self.idle(reply)
+        return []
+
+    def claim_requests(self, max_size: int, max_tokens: int,
+                       max_wait_ms: int) -> tuple[list[Claimed], ClaimReply]:
+        """Lease the next requests that fit; those past their deadline or unreadable are
+        finished at once (``on_final``). The runnable ones, and the claim's reply."""
+        self._claims += 1
+        token = f"{self.options.worker_id}#{self._claims}"
+        reply = self._claim(token, max_size, max_tokens, max_wait_ms)
         self.leases.add(reply.expired + reply.batch)
         invalid = [r for r in reply.batch if r.invalid]
         if reply.expired or invalid:
@@ -123,23 +136,17 @@ class Claimer(threading.Thread):
                 *(Outcome(r, error={"type": "InvalidRequest", "message": r.invalid or ""})
                   for r in invalid)]))
         batch = [r for r in reply.batch if not r.invalid]
-        if batch:
-            for r in batch:
-                metrics.queue_wait(r.priority).observe(max(0, reply.now_ms - r.enqueued_ms) / 1000)
-            return self.prepare(batch, reply.now_ms)
-        if reply.wait_ms == -1 and self.burst and not held_before:
-            return None
-        self._idle(reply)
-        return []
+        for r in batch:
+            metrics.queue_wait(r.priority).observe(max(0, reply.now_ms - r.enqueued_ms) / 1000)
+        return batch, reply
 
-    def _claim(self, token: str) -> ClaimReply:
+    def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int) -> ClaimReply:
         """Claim on exact counts: candidates a producer priced by estimate are counted
         with this runner's tokenizer and written back first (a few rounds at most: new
         estimated requests can enter the lookahead between two calls)."""
-        o = self.options
         for round_ in range(PRICING_ROUNDS + 1):
-            reply = self.queue.claim(token, self.cap.apply(o.max_batch_size), o.max_batch_tokens,
-                                     o.max_wait_ms, o.claim_lookahead,
+            reply = self.queue.claim(token, max_size, max_tokens, max_wait_ms,
+                                     self.options.claim_lookahead,
                                      price_estimates=self.counts and round_ < PRICING_ROUNDS)
             if not reply.to_price:
                 return reply
@@ -157,7 +164,7 @@ class Claimer(threading.Thread):
         exact = [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
         metrics.REPRICED.inc(self.queue.reprice(exact))
 
-    def _idle(self, reply: ClaimReply) -> None:
+    def idle(self, reply: ClaimReply) -> None:
         """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""
         o = self.options
         wait_s = reply.wait_ms / 1000 if reply.wait_ms > 0 else o.idle_poll_s

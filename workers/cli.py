@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
               "a callable over a list of inputs.")
 @click.option("--device", default="auto", show_default=True, envvar="BATCHERY_DEVICE",
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
-@click.option("--max-batch-size", type=int, help="Largest batch claimed (default: timed at "
-              "start, the smallest size within 5% of the model's best throughput; 64 for "
-              "--runner).")
+@click.option("--max-batch-size", type=int, help="Largest batch claimed (--task generate: "
+              "sequences in flight; default: timed at start, the smallest size within 5% of the "
+              "model's best throughput; 64 for --runner and --task generate).")
 @click.option("--max-batch-tokens", default=8192, show_default=True, type=int,
-              help="Padded tokens per batch (longest x size).")
+              help="Padded tokens per batch (longest x size); with --task generate, the KV "
+              "cache budget: prompt plus max_new_tokens summed over the sequences in flight.")
 @click.option("--max-wait-ms", default=10, show_default=True, type=int,
               help="How long a partial batch waits for more requests.")
 @click.option("--lookahead", default=0, type=int,
@@ -72,6 +73,8 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     from batchery.workers.runners import load_runner
     model_runner = load_runner(task, model, runner, device, allow_download, dtype)
     placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
+    if task == "generate":  # one decode loop; sequences join and leave it between steps
+        parallel_batches = 1
     if parallel_batches is None:  # one batch per core on a CPU; built-in runners are thread-safe
         parallel_batches = _cores() if placed == "cpu" else 1
     if threads is None and placed in ("cpu", "") and parallel_batches > 1:
@@ -94,6 +97,8 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
              parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)
     from batchery.workers.loop import Worker
+    if task == "generate" and not runner:
+        from batchery.workers.generating import GenerateWorker as Worker  # type: ignore[assignment]
     log.info("redis %s, queue %r, %s", settings.describe(), queue, runner or f"{task} {model}")
     # The model and its libraries live as long as the process: keep the garbage collector's
     # full passes off their ~400k objects (with transformers loaded each took 200+ ms,

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -23,9 +23,11 @@ BACKLOG = 8  # batches waiting to be written before the model thread waits for R
 
 
 class ResultWriter(threading.Thread):
-    def __init__(self, queue_: RequestQueue, worker_id: str, leases: Leases) -> None:
+    def __init__(self, queue_: RequestQueue, worker_id: str, leases: Leases,
+                 on_committed: Callable[[list[Outcome]], None] | None = None) -> None:
         super().__init__(name="batchery-writer", daemon=True)
         self.queue, self.worker_id, self.leases = queue_, worker_id, leases
+        self.on_committed = on_committed  # told which outcomes became the committed result
         self._backlog: queue.Queue[Executed | None] = queue.Queue(maxsize=BACKLOG)
 
     def submit(self, executed: Executed) -> None:
@@ -106,6 +108,11 @@ class ResultWriter(threading.Thread):
             elif flag == 2:
                 metrics.DEAD_LETTERS.inc()
                 metrics.REQUESTS.labels(self.queue.name, o.request.priority, DEAD).inc()
+        if self.on_committed:
+            try:
+                self.on_committed([o for o, ok in zip(final, committed) if ok])
+            except Exception as exc:  # the results are in: what follows is best effort
+                log.warning("after committing %d result(s): %s", len(final), exc)
         lost = committed.count(False) + flags.count(0)
         if lost:
             log.warning("discarded %d result(s): this worker no longer held their lease", lost)

@@ -1,7 +1,12 @@
-"""``--task generate``: causal LM text generation, greedy, batched with left padding.
+"""``--task generate``: causal LM text generation.
 
-An input is a prompt string or ``{"prompt": str, "max_new_tokens": int}``. A request
-costs its prompt plus its new tokens, which is what the batch budget counts.
+The worker runs it with continuous batching (workers/generating.py over
+runners/decoding.py): ``sequence`` and ``new_batch`` are what that loop uses. ``prepare``
+and ``run`` are the static batch (greedy, left padding, the whole batch for its longest
+generation) that other callers and the benchmark's baseline use.
+
+An input is a prompt string or an object (runners/sampling.py lists its fields). A
+request costs its prompt plus its new tokens, which is what the budget counts.
 """
 
 from __future__ import annotations
@@ -12,10 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchery.workers.runners.base import InputError, Prepared, text_of
+from batchery.workers.runners.decoding import DecodeBatch, Sequence
 from batchery.workers.runners.hf import HFRunner, text_or_none, count_texts, to_device
-
-DEFAULT_NEW_TOKENS = 32
-MAX_NEW_TOKENS = 1024
+from batchery.workers.runners.sampling import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, parse_params
 
 
 class GenerateRunner(HFRunner):
@@ -28,13 +32,34 @@ class GenerateRunner(HFRunner):
         if self._tokenizer.pad_token is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token or self._tokenizer.unk_token
         self._eos = self._model.generation_config.eos_token_id
+        eos = self._eos if isinstance(self._eos, list) else [self._eos]
+        self.eos_ids = frozenset(i for i in eos if isinstance(i, int) and i >= 0)
+
+    def sequence(self, key: Any, value: Any) -> Sequence:
+        """A request ready to join a DecodeBatch; raises InputError for bad parameters."""
+        params = parse_params(value)
+        room = self.max_input_tokens - params.max_new_tokens
+        if room < 1:
+            raise InputError(f"max_new_tokens {params.max_new_tokens} leaves no room for the "
+                             f"prompt in this model's context of {self.max_input_tokens} "
+                             "tokens; ask for fewer new tokens")
+        ids = self._tokenizer(params.prompt, truncation=True, max_length=room)["input_ids"]
+        return Sequence(key, params, list(ids))
+
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id)
+
+    def text(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def prepare(self, inputs: list[Any]) -> Prepared:
         prompts = [text_of(v, ("prompt", "text")) for v in inputs]
         new_tokens = [_new_tokens(v) for v in inputs]
         room = max(1, self.max_input_tokens - max(new_tokens))
+        # no token_type_ids: a BERT-style tokenizer returns them, and GPT-2 would add them
+        # to its inputs as token embeddings (of id 0), changing what it generates
         encoded = self._tokenizer(prompts, padding=True, truncation=True, max_length=room,
-                                  return_tensors="pt")
+                                  return_tensors="pt", return_token_type_ids=False)
         mask = encoded["attention_mask"]
         lengths = [int(n) + m for n, m in zip(mask.sum(dim=1).tolist(), new_tokens)]
         padded = (mask.shape[1] + max(new_tokens)) * len(prompts)

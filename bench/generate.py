@@ -1,0 +1,270 @@
+"""Generation: static batches, transformers' continuous batching, and batchery's.
+
+A GPT-2 with random weights built from a config (no download) and MiniLM's tokenizer;
+prompts are standard-library paragraphs (8 to 256 tokens), ``max_new_tokens`` long-tailed
+between 4 and 256 (log-normal, median 24), EOS disabled so every length is exact. All
+requests are there at the start (an offline job); latency is from then to each result.
+
+(a) static batching in-process: today's GenerateRunner, batches of BATCH in arrival
+    order, each running until its longest request is done.
+(b) transformers' in-process continuous batching (ContinuousBatchingManager, paged
+    cache, its default sizing; one max_new_tokens per request through add_request).
+(c) batchery: one real ``batchery worker --task generate`` (BATCH sequences in flight),
+    fed by ``Client.stream`` with every request queued at once.
+(d) realtime time to first token in batchery while a batch-class flood decodes: a
+    streamed realtime request every REALTIME_EVERY_S, from enqueue to its first text.
+
+``python -m bench.generate [--quick]``
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GenerationConfig  # noqa: E402
+
+from batchery import Client  # noqa: E402
+from batchery.workers.runners import load_runner  # noqa: E402
+from batchery.workers.runners.hf import resolve_model  # noqa: E402
+from bench import common  # noqa: E402
+from bench.corpus import paragraphs  # noqa: E402
+
+BATCH = 32                 # static batch size and batchery's sequences in flight
+REALTIME_EVERY_S = 0.25
+MODEL = dict(n_embd=256, n_layer=4, n_head=4, n_positions=512)  # ~10M parameters besides embeddings
+
+
+def build_model(folder: Path) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, bos_token_id=None,
+                               eos_token_id=None, **MODEL)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def workload(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    news = [min(256, max(4, int(rng.lognormvariate(math.log(24), 1.0)))) for _ in range(n)]
+    return [{"prompt": p, "max_new_tokens": m} for p, m in zip(paragraphs(n), news)]
+
+
+def summary(name: str, latencies: list[float], tokens: int, seconds: float) -> dict[str, Any]:
+    return {"system": name, "requests": len(latencies), "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_s": tokens / seconds,
+            "p50_s": common.percentile(latencies, 0.5), "p99_s": common.percentile(latencies, 0.99)}
+
+
+def static(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    runner = load_runner("generate", str(model_dir), None, "cpu")
+    runner.run(runner.prepare(requests[:BATCH]).data)  # warm-up
+    latencies, tokens, started = [], 0, time.perf_counter()
+    for i in range(0, len(requests), BATCH):
+        outputs = runner.run(runner.prepare(requests[i:i + BATCH]).data)
+        tokens += sum(o["tokens"] for o in outputs)
+        latencies += [time.perf_counter() - started] * len(outputs)
+    return summary(f"(a) static batches of {BATCH}, in-process", latencies, tokens,
+                   time.perf_counter() - started)
+
+
+def transformers_cb(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    runner = load_runner("generate", str(model_dir), None, "cpu")
+    model, tokenizer = runner._model, runner._tokenizer
+    ids = [runner.sequence(None, r).prompt_ids for r in requests]
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id,
+                              max_new_tokens=256)
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        started = time.perf_counter()
+        for i, (prompt, r) in enumerate(zip(ids, requests)):
+            manager.add_request(prompt, request_id=str(i), max_new_tokens=r["max_new_tokens"],
+                                eos_token_id=-1)
+        latencies, tokens = [], 0
+        while len(latencies) < len(requests):
+            out = manager.get_result(timeout=5)
+            if out is None:
+                if not manager.is_running():
+                    raise SystemExit("transformers' continuous batching stopped early")
+                continue
+            if out.is_finished():
+                latencies.append(time.perf_counter() - started)
+                tokens += len(out.generated_tokens)
+        seconds = time.perf_counter() - started
+    return summary("(b) transformers ContinuousBatchingManager, in-process", latencies, tokens,
+                   seconds)
+
+
+def worker_args(model_dir: Path, port: int) -> tuple[str, ...]:
+    return ("--task", "generate", "--model", str(model_dir), "--device", "cpu",
+            "--threads", str(torch.get_num_threads()),
+            "--max-batch-size", str(BATCH), "--max-batch-tokens", str(BATCH * 512),
+            "--max-wait-ms", "0", "--metrics-port", str(port))
+
+
+def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    queue = f"gen-{time.monotonic_ns()}"
+    port = common.free_port()
+    worker = common.batchery_worker(url, queue, *worker_args(model_dir, port))
+    try:
+        with Client(url, queue) as client:
+            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
+            list(client.stream([{"input": {"prompt": "warm up", "max_new_tokens": 8}}]))
+            common.freeze()
+            started = time.perf_counter()
+            latencies, tokens = [], 0
+            for result in client.stream({"input": r, "priority": "batch"} for r in requests):
+                if not result.ok:
+                    raise SystemExit(f"batchery failed a request: {result.error}")
+                latencies.append(time.perf_counter() - started)
+                tokens += result.output["tokens"]
+            seconds = time.perf_counter() - started
+            step_ms = mean_step_ms(port)
+    finally:
+        common.stop([worker])
+    row = summary(f"(c) batchery, 1 worker, {BATCH} in flight", latencies, tokens, seconds)
+    row["step_ms"] = step_ms
+    return row
+
+
+def mean_step_ms(port: int) -> float:
+    """batchery_inference_seconds per decode step, from the worker's metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("batchery_inference_seconds_")}
+    return 1000 * values["batchery_inference_seconds_sum"] / max(1, values["batchery_inference_seconds_count"])
+
+
+def prefill_ms(model_dir: Path, prompts: list[str]) -> float:
+    """Median time of one realtime prompt's prefill, alone, in-process."""
+    runner = load_runner("generate", str(model_dir), None, "cpu")
+    times = []
+    for prompt in prompts:
+        seq = runner.sequence(None, {"prompt": prompt, "max_new_tokens": 8})
+        started = time.perf_counter()
+        runner.new_batch().add([seq])
+        times.append(time.perf_counter() - started)
+    return 1000 * common.percentile(times, 0.5)
+
+
+def realtime_ttft(url: str, model_dir: Path, requests: list[dict[str, Any]],
+                  seconds: float) -> dict[str, Any]:
+    """A flood of batch-class requests decoding; realtime streamed requests meanwhile."""
+    queue = f"ttft-{time.monotonic_ns()}"
+    port = common.free_port()
+    worker = common.batchery_worker(url, queue, *worker_args(model_dir, port))
+    try:
+        with Client(url, queue) as client:
+            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
+            list(client.stream([{"input": {"prompt": "warm up", "max_new_tokens": 8}}]))
+            common.freeze()
+            client.enqueue_many(({"input": r, "priority": "batch"} for r in requests), reply=False)
+            firsts: list[float] = []
+            after_claim: list[float] = []
+            lock = threading.Lock()
+
+            def one(prompt: str) -> None:
+                sent = time.perf_counter()
+                handle = client.enqueue({"prompt": prompt, "max_new_tokens": 8, "stream": True},
+                                        priority="realtime")
+                first = None
+                for event in handle.stream(timeout=60):
+                    if event.kind == "text" and first is None:
+                        first = time.perf_counter() - sent
+                with lock:
+                    firsts.append(first if first is not None else float("nan"))
+                    after_claim.append(admitted_to_first_text(client, handle.id))
+            prompts = paragraphs(len(requests) + 200)[len(requests):]
+            with ThreadPoolExecutor(8) as pool:
+                end, i = time.perf_counter() + seconds, 0
+                while time.perf_counter() < end:
+                    pool.submit(one, prompts[i % len(prompts)])
+                    i += 1
+                    time.sleep(REALTIME_EVERY_S)
+            step_ms = mean_step_ms(port)
+            flood_left = client.queue.stats()["pending"]
+    finally:
+        common.stop([worker])
+    return {"scenario": f"realtime every {REALTIME_EVERY_S * 1000:.0f} ms during a flood of "
+                        f"{len(requests)} batch requests", "realtime": len(firsts),
+            "ttft_p50_ms": 1000 * common.percentile(firsts, 0.5),
+            "ttft_p99_ms": 1000 * common.percentile(firsts, 0.99),
+            "after_claim_p50_ms": 1000 * common.percentile(after_claim, 0.5),
+            "after_claim_p99_ms": 1000 * common.percentile(after_claim, 0.99),
+            "step_ms": step_ms, "flood_left": flood_left,
+            "prefill_ms": prefill_ms(model_dir, prompts[:50]),
+            "after_claim_ms": sorted(round(1000 * x, 1) for x in after_claim)}
+
+
+def admitted_to_first_text(client: Client, request_id: str) -> float:
+    """On the Redis clock: from the stream's start entry (written when the worker takes
+    the claimed request in, before its prefill) to its first text entry."""
+    entries = client.queue.client.xrange(client.queue.keys.stream(request_id))
+    start = next(i for i, f in entries if f["e"] == "start")
+    text = next(i for i, f in entries if f["e"] == "text")
+    return (int(text.split("-")[0]) - int(start.split("-")[0])) / 1000
+
+
+COLUMNS = (("system", "system", ""), ("requests", "requests", "d"), ("tokens", "tokens", "d"),
+           ("tokens_s", "tokens/s", ".0f"), ("p50_s", "latency p50 s", ".1f"),
+           ("p99_s", "latency p99 s", ".1f"), ("x_a", "x (a)", ".2f"))
+TTFT_COLUMNS = (("scenario", "scenario", ""), ("realtime", "realtime requests", "d"),
+                ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("ttft_p99_ms", "TTFT p99 ms", ".0f"),
+                ("after_claim_p50_ms", "claim to first text p50 ms", ".0f"),
+                ("after_claim_p99_ms", "claim to first text p99 ms", ".0f"),
+                ("prefill_ms", "one prefill ms", ".1f"), ("step_ms", "decode step ms", ".1f"))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1, help="torch threads of every contender "
+                   "(default 1: on a shared VM, each operation on 2 threads waits for a "
+                   "descheduled sibling; see bench.contention)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n = 100 if args.quick else 500
+    requests = workload(n)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="batchery-gpt2-") as folder, common.private_redis() as url:
+        model_dir = build_model(Path(folder))
+        for _ in range(args.repeat):
+            common.log(f"generate: {n} requests, (a) static ...")
+            rows.append(static(model_dir, requests))
+            common.log("generate: (b) transformers' continuous batching ...")
+            rows.append(transformers_cb(model_dir, requests))
+            common.log("generate: (c) batchery ...")
+            rows.append(batchery(url, model_dir, requests))
+        common.log("generate: (d) realtime time to first token during a flood ...")
+        ttft = realtime_ttft(url, model_dir, workload(n, seed=1), 8.0 if args.quick else 20.0)
+    best = [max((r for r in rows if r["system"] == s), key=lambda r: r["tokens_s"])
+            for s in dict.fromkeys(r["system"] for r in rows)]
+    for r in best:
+        r["x_a"] = r["tokens_s"] / best[0]["tokens_s"]
+    a, b, c = best
+    text = common.table(best, COLUMNS) + "\n\n" + common.table([ttft], TTFT_COLUMNS)
+    bound = ttft["prefill_ms"] + 2 * ttft["step_ms"]
+    checks = [f"(c) / (a) tokens/s: {c['tokens_s'] / a['tokens_s']:.2f} (target >= 2): "
+              f"{'met' if c['tokens_s'] >= 2 * a['tokens_s'] else 'MISSED'}",
+              f"(c) / (b) tokens/s: {c['tokens_s'] / b['tokens_s']:.2f} (target >= 0.85): "
+              f"{'met' if c['tokens_s'] >= 0.85 * b['tokens_s'] else 'MISSED'}",
+              f"realtime first text p99 {ttft['after_claim_p99_ms']:.0f} ms after its claim, "
+              f"against a prefill + 2 decode steps ~ {bound:.0f} ms: "
+              f"{'met' if ttft['after_claim_p99_ms'] <= bound else 'MISSED'}"]
+    print(f"\n## Generation ({common.machine()})\n\n{text}\n\n" + "\n".join(checks) + "\n")
+    common.save("generate", {"machine": common.machine(), "runs": rows, "ttft": ttft,
+                             "targets": checks})
+    return {"table": text, "targets": checks}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Continuous batching for --task generate, on a tiny random GPT-2 against a real Redis:
+exact lengths, stop strings, seeded sampling, streams, cancellation, deadlines, and
+newcomers joining a running batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from batchery import AsyncClient, Client
+from batchery.batching.queue import RequestQueue
+from batchery.connection import RedisSettings
+from batchery.workers.generating import GenerateWorker
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners import load_runner
+from batchery.workers.runners.hf import resolve_model
+from tests.conftest import run_cli, start_worker, stop_process, wait_for
+
+LONG = 400  # new tokens of a sequence that runs for a couple of seconds here
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GPT-2 with random weights and MiniLM's tokenizer; no EOS, so lengths are exact."""
+    path = tmp_path_factory.mktemp("gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=64, n_layer=2, n_head=2,
+                               n_positions=512, bos_token_id=None,
+                               eos_token_id=None)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path) -> Any:
+    return load_runner("generate", str(model_dir), None, "cpu")
+
+
+@pytest.fixture
+def worker(redis_url: str, queue_name: str, runner: Any) -> Iterator[GenerateWorker]:
+    """A generate worker on a thread of this process (its model is the module's runner)."""
+    w = GenerateWorker(RedisSettings.from_url(redis_url), runner,
+                       WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=4096))
+    thread = threading.Thread(target=w.run, kwargs={"handle_signals": False}, daemon=True)
+    thread.start()
+    yield w
+    w.stop.set()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def client(redis_url: str, queue_name: str) -> Iterator[Client]:
+    with Client(redis_url, queue_name) as c:
+        yield c
+
+
+def generate(client: Client, **fields: Any) -> Any:
+    return client.enqueue({"prompt": "The history of the city", **fields}).result(timeout=60)
+
+
+def test_lengths_are_exact_and_greedy_text_matches_a_static_batch(worker, client, runner) -> None:
+    handles = [client.enqueue({"prompt": p, "max_new_tokens": n})
+               for p, n in (("a short one", 1), ("somewhat longer prompt here", 7),
+                            ("x " * 40, 33), ("the end", 120))]
+    results = [h.result(timeout=60) for h in handles]
+    assert [r.output["tokens"] for r in results] == [1, 7, 33, 120]
+    assert {r.output["finish_reason"] for r in results} == {"length"}
+    static = runner.run(runner.prepare([{"prompt": "x " * 40, "max_new_tokens": 33}]).data)[0]
+    assert results[2].output["text"] == static["text"]
+
+
+def test_eos_ends_a_sequence(worker, client, runner, monkeypatch) -> None:
+    prompt = {"prompt": "a b c d", "max_new_tokens": 12}
+    batch = runner.new_batch()
+    seq = runner.sequence(None, prompt)
+    tokens = batch.add([seq]) + [batch.step()[0] for _ in range(11)]
+    k = next((i for i in range(1, 12) if tokens[i] not in tokens[:i]), 0)
+    monkeypatch.setattr(runner, "eos_ids", frozenset({tokens[k]}))
+    result = client.enqueue(prompt).result(timeout=60)
+    assert result.output["tokens"] == k and result.output["finish_reason"] == "stop"
+    assert result.output["text"] == runner.text(tokens[:k])
+
+
+def test_stop_strings_cut_the_text_before_them(worker, client) -> None:
+    text = generate(client, max_new_tokens=40).output["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    result = generate(client, max_new_tokens=40, stop=["never-seen-stop", stop])
+    assert result.output["finish_reason"] == "stop"
+    assert result.output["text"] == text[:text.find(stop)]
+    assert result.output["tokens"] < 40
+
+
+def test_seeded_sampling_gives_the_same_text_for_the_same_seed(worker, client) -> None:
+    sampling = {"max_new_tokens": 30, "temperature": 1.0, "top_k": 40, "top_p": 0.95}
+    alone = generate(client, seed=7, **sampling).output["text"]
+    together = [client.enqueue({"prompt": "The history of the city", "seed": seed, **sampling})
+                for seed in (7, 8)]
+    same, other = (h.result(timeout=60).output["text"] for h in together)
+    assert same == alone
+    assert other != alone
+    assert generate(client, max_new_tokens=30).output["text"] != alone  # greedy is not that
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": -1}, "temperature must be a number at least 0.0"),
+    ({"top_p": 0}, "top_p must be a number more than 0.0"),
+    ({"top_k": 1.5}, "top_k must be an integer"),
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"seed": "x"}, "seed must be an integer"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer 1..1024"),
+    ({"max_new_tokens": 600}, "leaves no room for the prompt"),
+    ({"max_tokens": 5}, "unknown generation field(s) ['max_tokens']"),
+    ({"stream": "yes"}, "stream must be true or false"),
+])
+def test_invalid_parameters_fail_that_request_alone(worker, client, fields, message) -> None:
+    bad = client.enqueue({"prompt": "hi", **fields})
+    good = client.enqueue({"prompt": "hi", "max_new_tokens": 3})
+    failed = bad.result(timeout=60)
+    assert failed.status == "error" and failed.error["type"] == "InputError"
+    assert message in failed.error["message"] and failed.attempts == 1
+    assert good.result(timeout=60).output["tokens"] == 3
+
+
+def test_a_stream_delivers_every_piece_in_order_then_the_result(worker, client) -> None:
+    handle = client.enqueue({"prompt": "Once upon a time", "max_new_tokens": 60, "stream": True,
+                             "stop": "never-seen-stop"})
+    events = list(handle.stream(timeout=30))
+    pieces = [e for e in events[:-1] if e.kind == "text"]
+    assert len(pieces) == len(events) - 1 > 5
+    assert [e.tokens for e in pieces] == sorted(e.tokens for e in pieces)
+    final = events[-1]
+    assert final.kind == "result" and final.result.output["tokens"] == 60
+    assert "".join(e.text for e in pieces) == final.result.output["text"]
+
+
+def test_the_async_client_streams_too(worker, redis_url, queue_name) -> None:
+    async def scenario() -> list[Any]:
+        async with AsyncClient(redis_url, queue_name) as ac:
+            handle = await ac.enqueue({"prompt": "Once upon a time", "max_new_tokens": 20,
+                                       "stream": True})
+            return [e async for e in handle.stream(timeout=30)]
+    events = asyncio.run(scenario())
+    assert events[-1].kind == "result" and events[-1].result.output["tokens"] == 20
+    assert "".join(e.text for e in events[:-1]) == events[-1].result.output["text"]
+
+
+def test_a_request_without_stream_yields_its_result_alone(worker, client) -> None:
+    handle = client.enqueue({"prompt": "hi", "max_new_tokens": 4})
+    events = list(handle.stream(timeout=30))
+    assert [e.kind for e in events] == ["result"] and events[0].result.output["tokens"] == 4
+
+
+def test_cancel_stops_a_running_sequence_and_frees_its_room(worker, client) -> None:
+    handle = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+    stream = handle.stream(timeout=30)
+    first = next(stream)
+    assert first.kind == "text"
+    assert handle.cancel()
+    events = [first, *stream]
+    assert events[-1].result.status == "cancelled"
+    assert max(e.tokens for e in events[:-1]) < LONG
+    wait_for(lambda: not worker.loop.batch.rows, timeout=5, message="the sequence to leave")
+
+
+def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:
+    long = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
+                          priority="batch")
+    stream = long.stream(timeout=30)
+    assert next(stream).kind == "text"  # the long one is decoding
+    steps_before = worker.loop.batch.steps
+    short = client.enqueue({"prompt": "quick", "max_new_tokens": 3}, priority="realtime")
+    assert short.result(timeout=30).output["tokens"] == 3
+    assert client.get(long.id) is None  # still generating
+    assert worker.loop.batch.steps - steps_before < LONG / 2
+    done = [e for e in stream if e.kind == "result"]
+    assert done[0].result.output["tokens"] == LONG
+
+
+def test_a_deadline_stops_generation_with_the_text_so_far(worker, client) -> None:
+    result = client.enqueue({"prompt": "go on", "max_new_tokens": LONG},
+                            deadline=0.3).result(timeout=30)
+    assert result.status == "expired" and result.output["finish_reason"] == "deadline"
+    assert 0 < result.output["tokens"] < LONG and result.output["text"]
+
+
+def test_enqueue_stream_prints_the_text_then_the_result(worker, redis_url, queue_name) -> None:
+    done = run_cli("enqueue", "--queue", queue_name, "--stream", "--input",
+                   json.dumps({"prompt": "hi", "max_new_tokens": 15}), redis_url=redis_url)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stderr.strip().splitlines()[-1])
+    assert result["output"]["tokens"] == 15
+    assert done.stdout == result["output"]["text"] + "\n"
+    bad = run_cli("enqueue", "--queue", queue_name, "--stream", "--text", "a", "--text", "b",
+                  redis_url=redis_url)
+    assert bad.returncode == 2 and "--stream follows one generation" in bad.stderr
+
+
+def test_a_crash_reruns_from_the_start_and_sigterm_finishes_what_runs(redis_url, queue_name,
+                                                                      model_dir, tmp_path) -> None:
+    """SIGKILL: the lease lapses, the next worker runs the sequence again from the start
+    and its stream says so. SIGTERM: every running sequence finishes and commits."""
+    RequestQueue(RedisSettings.from_url(redis_url).client(), queue_name).update_settings(
+        lease_seconds=1)
+    args = ("--task", "generate", "--model", str(model_dir), "--max-wait-ms", "0")
+    with Client(redis_url, queue_name) as client:
+        first = start_worker(redis_url, queue_name, *args, log=tmp_path / "first.log")
+        crashed = client.enqueue({"prompt": "go on", "max_new_tokens": 200, "stream": True})
+        stream = crashed.stream(timeout=60)
+        assert next(stream).kind == "text"
+        stop_process(first, signal.SIGKILL)
+        second = start_worker(redis_url, queue_name, *args, log=tmp_path / "second.log")
+        try:
+            events = []
+            for event in stream:  # SIGTERM once the rerun is under way, and a second one joined
+                events.append(event)
+                if event.kind == "restarted":
+                    running = client.enqueue({"prompt": "and on", "max_new_tokens": 50,
+                                              "stream": True})
+                    assert next(running.stream(timeout=30)).kind == "text"
+                    second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
+        finally:
+            stop_process(second, signal.SIGKILL)
+        restarts = [e for e in events if e.kind == "restarted"]
+        assert len(restarts) == 1 and restarts[0].attempt == 2
+        after = events[events.index(restarts[0]) + 1:-1]
+        result = events[-1].result
+        assert result.status == "ok" and result.attempts == 2 and result.output["tokens"] == 200
+        assert "".join(e.text for e in after) == result.output["text"]
+        assert running.result(timeout=5).output["tokens"] == 50

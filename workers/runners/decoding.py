@@ -1,0 +1,153 @@
+"""Iteration-level batching on transformers' DynamicCache: sequences join and leave
+between decode steps.
+
+The running sequences share one left-padded KV cache ``[rows, heads, length, dim]`` with
+an attention mask marking each row's real tokens, and each row keeps its own position
+counter, so padding never shifts a position. Newcomers are prefilled together, their
+cache left-padded to the running one's length (or the other way round) and stacked
+under it; finished rows are cut out, and the columns no row needs any more are trimmed
+from the left. Compute and memory follow the rows times the longest row, not a paged
+cache: what a CPU or one GPU running a small model needs, in about a hundred lines.
+
+Why not transformers' ``ContinuousBatchingManager`` (5.x): it runs on the CPU with a small
+GPT-2 here, but one ``GenerationConfig`` serves all its requests (no per-request
+temperature, top_p, top_k or seed), it has no stop strings, and it schedules in a
+background thread of its own, so nothing could claim from Redis between two of its steps,
+stop a sequence whose lease was lost, or count steps. The scheduling is the product here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from batchery.workers.runners.sampling import GenParams, choose, new_generator
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in flight: its tokens so far and how it may end."""
+
+    key: Any                         # the caller's handle on it (the claimed request)
+    params: GenParams
+    prompt_ids: list[int]
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None  # stop | length | cancelled | deadline, once it ended
+    text: str = ""                   # the decoded text, cut before a stop string
+    sent: str = ""                   # the text already written to its stream
+
+    @property
+    def reserved(self) -> int:
+        """Tokens of KV cache it may come to hold: what the worker's budget counts."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+class DecodeBatch:
+    """The sequences in flight and their shared cache; one forward pass per step."""
+
+    def __init__(self, model: Any, device: torch.device, pad_id: int) -> None:
+        self.model, self.device, self.pad_id = model, device, pad_id
+        self.rows: list[Sequence] = []
+        self.steps = 0          # decode steps run, for logs and tests
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self._pos = torch.zeros(0, dtype=torch.long, device=device)  # next position per row
+        self._last = torch.zeros(0, dtype=torch.long, device=device)  # last token per row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, seqs: list[Sequence]) -> list[int]:
+        """Prefill newcomers and stack them under the running rows; their first tokens."""
+        tokens, joined = self.prefill(seqs)
+        joined()
+        return tokens
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> tuple[list[int], Callable[[], None]]:
+        """Prefill newcomers: their first tokens, and the call that stacks them under the
+        running rows (copying the cache: the first tokens can go out before it)."""
+        width = max(len(s.prompt_ids) for s in seqs)
+        ids = torch.tensor([[self.pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in seqs],
+                           device=self.device)
+        mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids)
+                             for s in seqs], device=self.device)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for s in seqs:
+            s.generator = s.generator or new_generator(s.params)
+        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in seqs],
+                        [s.generator for s in seqs])
+
+        @torch.inference_mode()
+        def joined() -> None:
+            self._stack(out.past_key_values, mask)
+            self.rows += seqs
+            self._pos = torch.cat([self._pos, mask.sum(dim=-1)])
+            self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
+        return tokens, joined
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """One decode step of every row: each row's next token."""
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(self.rows), 1)], dim=-1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
+                         position_ids=self._pos[:, None], past_key_values=self._cache,
+                         use_cache=True)
+        self._cache = out.past_key_values
+        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in self.rows],
+                        [s.generator for s in self.rows])
+        self._pos = self._pos + 1
+        self._last = torch.tensor(tokens, device=self.device)
+        self.steps += 1
+        return tokens
+
+    def drop(self, leaving: list[Sequence]) -> None:
+        """Cut rows out of the batch, and the cache columns that only they needed."""
+        gone = {id(s) for s in leaving}
+        keep = [i for i, s in enumerate(self.rows) if id(s) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, self._mask[:0, :0]
+            self._pos, self._last = self._pos[:0], self._last[:0]
+            return
+        index = torch.tensor(keep, device=self.device)
+        self._mask, self._pos, self._last = self._mask[index], self._pos[index], self._last[index]
+        first = int(self._mask.any(dim=0).int().argmax())  # columns left of it are all padding
+        self._mask = self._mask[:, first:]
+        for layer in self._layers(self._cache):
+            layer.keys = layer.keys[index, :, first:]
+            layer.values = layer.values[index, :, first:]
+
+    def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        if self._cache is None:
+            self._cache, self._mask = cache, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(self._layers(self._cache), self._layers(cache)):
+            old.keys = torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)])
+            old.values = torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)])
+        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+
+    @staticmethod
+    def _layers(cache: DynamicCache | None) -> list[Any]:
+        return list(cache.layers) if cache is not None else []
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zeros before ``tensor`` along ``dim`` up to ``width``."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [missing, 0]
+    return F.pad(tensor, pad)
