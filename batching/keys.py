@@ -104,6 +104,11 @@ class Keys:
         lease time so that a retried claim (its reply lost) returns them again."""
         return self._key("claim:" + token)
 
+    def call(self, call_id: str) -> str:
+        """STRING the reply of one enqueue or fail call (integers, comma-separated), kept
+        60 s so that the call retried after a lost reply gets its first run's reply."""
+        return self._key("call:" + call_id)
+
     @property
     def result_prefix(self) -> str:
         """Prefix of the per-request result keys (STRING JSON with a TTL)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -200,7 +201,8 @@ class RequestQueue:
             args += item
         return [int(f) for f in self.scripts.fail(
             [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
-             k.settings, k.depth, k.stats, k.history, *self._declared(items, clients)], args)]
+             k.settings, k.depth, k.stats, k.history, k.call(new_call_id()),
+             *self._declared(items, clients)], args)]
 
     def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
         """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
@@ -353,8 +355,14 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
-                 k.stats, k.dead, k.attempts, k.history, *(k.result(r.id) for r in requests)],
-                args)
+                 k.stats, k.dead, k.attempts, k.history, k.call(new_call_id()),
+                 *(k.result(r.id) for r in requests)], args)
+
+
+def new_call_id() -> str:
+    """A fresh id for one enqueue or fail call: the connection's retries of that call
+    (after a lost reply) reuse it, so the script returns its first run's reply."""
+    return secrets.token_hex(8)
 
 
 def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[str]:

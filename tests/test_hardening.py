@@ -230,3 +230,37 @@ def test_a_retried_complete_reports_the_commit_once(queue: RequestQueue,
                                   {"requests": 1}) == [True]
     assert proxy.faults["replies dropped on purpose"] == 1
     assert queue.stats()["totals"]["requests"] == 1
+
+
+def test_a_retried_enqueue_reports_its_ids_as_accepted(queue: RequestQueue, redis_url: str,
+                                                       flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    proxy, through_proxy = flaky
+    lose_next_reply(proxy, through_proxy, "enqueue")
+    assert through_proxy.enqueue([Request(id="a", input=1), Request(id="b", input=2)], "c") == [True, True]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.stats()["totals"]["enqueued"] == 2
+    assert through_proxy.enqueue([Request(id="a", input=1)], "c") == [False]  # a new call: known
+    with Client(proxy.url, queue=queue.name) as client:
+        lose_next_reply(proxy, through_proxy, "enqueue")
+        handles = client.enqueue_many([{"input": i} for i in (3, 4)])
+        assert proxy.faults["replies dropped on purpose"] == 2
+        batch = queue.claim("w#1", 10, 10_000, 0, 10).batch
+        assert sorted(r.id for r in batch) == sorted(["a", "b", *(h.id for h in handles)])
+        queue.complete([(r.id, r.token, Result(r.id, "ok", r.input).to_json()) for r in batch], {},
+                       [r.client for r in batch])
+        assert [h.result(timeout=10).output for h in handles] == [3, 4]
+
+
+@pytest.mark.parametrize("max_attempts, flag, total", [(3, 1, "retries"), (1, 2, "dead")])
+def test_a_retried_fail_reports_what_the_first_run_did(
+        queue: RequestQueue, flaky: tuple[FaultyProxy, RequestQueue],
+        max_attempts: int, flag: int, total: str) -> None:
+    proxy, through_proxy = flaky
+    queue.update_settings(max_attempts=max_attempts)
+    queue.enqueue([Request(id="a", input=1)], "c")
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    lose_next_reply(proxy, through_proxy, "fail")
+    assert fail_all(through_proxy, claimed) == [flag]
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert queue.stats()["totals"][total] == 1
+    assert fail_all(queue, claimed) == [0]  # a new call after the lease is gone: lost

@@ -39,6 +39,27 @@ local function fmt_int(x)
   return string.format('%d', x)
 end
 
+-- How long enqueue and fail remember their reply under their call key (Keys.call): the
+-- connection's retries after a lost reply give up within about 10 s.
+local CALL_MEMORY_S = 60
+
+-- The reply of an earlier run of this call (a retry after a lost reply), or nil.
+local function remembered_reply(call_key)
+  local saved = rcall('GET', call_key)
+  if not saved then return nil end
+  local reply = {}
+  for v in string.gmatch(saved, '[^,]+') do reply[#reply + 1] = tonumber(v) end
+  return reply
+end
+
+-- Keep `reply` (a list of integers) so that this call retried gets it again.
+local function remember_reply(call_key, reply)
+  local parts = {}
+  for i, v in ipairs(reply) do parts[i] = fmt_int(v) end
+  rcall('SET', call_key, table.concat(parts, ','), 'EX', CALL_MEMORY_S)
+  return reply
+end
+
 -- Counts per priority class, applied with one HINCRBY each.
 local function add_depth(depth_key, counts)
   for class, n in pairs(counts) do

@@ -8,7 +8,8 @@
 -- KEYS[7] delayed    ZSET (counts toward max_pending)
 -- KEYS[8] stats      HASH of totals
 -- KEYS[9] dead       ZSET dead letters   KEYS[10] attempts   KEYS[11] history
--- KEYS[12..] the result key of each request, in ARGV's order
+-- KEYS[12] call       STRING this call's reply, remembered (see Returns)
+-- KEYS[13..] the result key of each request, in ARGV's order
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -24,9 +25,14 @@
 --         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
 --         'memory' (detail: "used_memory/maxmemory");
 --         nothing is written then.
+-- Idempotent: a call that accepted ids remembers its reply under KEYS[12] for 60 s; the
+-- same call again (the connection retried after a lost reply) gets that reply back, its
+-- ids accepted (1), not "already known".
 local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
            wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8],
-           dead = KEYS[9], attempts = KEYS[10], history = KEYS[11]}
+           dead = KEYS[9], attempts = KEYS[10], history = KEYS[11], call = KEYS[12]}
+local remembered = remembered_reply(K.call)
+if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
 local max_pending = setting(K.settings, 'max_pending', tonumber(ARGV[2]))
 local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
@@ -141,4 +147,5 @@ if fresh > 0 then
 end
 local reply = {1, now}
 for i = 1, n do reply[i + 2] = status[i] end
+if fresh > 0 then remember_reply(K.call, reply) end
 return reply

@@ -1,8 +1,8 @@
 -- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
--- KEYS[11] history
--- KEYS[12..] the result key of each id, then the reply list of each client among them
+-- KEYS[11] history   KEYS[12] call  STRING this call's reply, remembered (see Returns)
+-- KEYS[13..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
 -- ARGV[5] backoff base ms        ARGV[6] backoff cap ms   ARGV[7] default dead_ttl
@@ -13,9 +13,14 @@
 -- the id to `dead`, and keeps the request (for `batchery dead retry`) until the reaper
 -- forgets it after dead_ttl; the dead result lives max(result_ttl, dead_ttl).
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
+-- Idempotent: a call that retried or dead-lettered an id remembers its reply under
+-- KEYS[12] for 60 s; the same call again (the connection retried after a lost reply)
+-- gets that reply back, not 0 for the leases its first run released.
 local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
            owner = KEYS[5], delayed = KEYS[6], dead = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], stats = KEYS[10], history = KEYS[11]}
+           depth = KEYS[9], stats = KEYS[10], history = KEYS[11], call = KEYS[12]}
+local remembered = remembered_reply(K.call)
+if remembered then return remembered end
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
@@ -59,4 +64,5 @@ end
 add_depth(K.depth, counts)
 if retried > 0 then rcall('HINCRBY', K.stats, 'retries', retried) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end
+if retried + dead > 0 then remember_reply(K.call, flags) end
 return flags
