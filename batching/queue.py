@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import redis
@@ -136,12 +136,12 @@ class RequestQueue:
         """Tell producers how the workers count tokens, where nobody has yet: a tokenizer
         an operator (or an earlier worker) set stays. The settings after."""
         current = self.settings()
-        fill = {"tokenizer": tokenizer} if not current.tokenizer else {}
+        fill: dict[str, Any] = {"tokenizer": tokenizer} if not current.tokenizer else {}
         if not current.max_input_tokens and max_input_tokens:
-            fill["max_input_tokens"] = str(max_input_tokens)
+            fill["max_input_tokens"] = max_input_tokens
         if fill:
             self.client.hset(self.keys.settings, mapping=fill)
-        return self.settings()
+        return replace(current, **fill)
 
     # -- workers -----------------------------------------------------------------------
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -115,6 +116,19 @@ def batchery_worker(url: str, queue: str, *args: str, threads: int | None = None
     if threads:
         argv += ["--threads", str(threads)]
     return start(argv, threads, **extra)
+
+
+def metrics(port: int) -> dict[str, float]:
+    """A worker's /metrics on ``port``: each series name (labels dropped) -> its value,
+    summed over its labels (one worker serves one queue)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def stop(procs: Sequence[subprocess.Popen], timeout: float = 30) -> None:

@@ -25,10 +25,10 @@ import random
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -112,8 +112,11 @@ def worker_args(model_dir: Path, port: int) -> tuple[str, ...]:
             "--max-wait-ms", "0", "--metrics-port", str(port))
 
 
-def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    queue = f"gen-{time.monotonic_ns()}"
+@contextmanager
+def serving_worker(url: str, model_dir: Path, name: str) -> Iterator[tuple[Client, int]]:
+    """A generate worker on a fresh queue, warmed up, and a client of it: (client, the
+    worker's metrics port). The worker stops on exit."""
+    queue = f"{name}-{time.monotonic_ns()}"
     port = common.free_port()
     worker = common.batchery_worker(url, queue, *worker_args(model_dir, port))
     try:
@@ -121,17 +124,22 @@ def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
             list(client.stream([{"input": {"prompt": "warm up", "max_new_tokens": 8}}]))
             common.freeze()
-            started = time.perf_counter()
-            latencies, tokens = [], 0
-            for result in client.stream({"input": r, "priority": "batch"} for r in requests):
-                if not result.ok:
-                    raise SystemExit(f"batchery failed a request: {result.error}")
-                latencies.append(time.perf_counter() - started)
-                tokens += result.output["tokens"]
-            seconds = time.perf_counter() - started
-            step_ms = mean_step_ms(port)
+            yield client, port
     finally:
         common.stop([worker])
+
+
+def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    with serving_worker(url, model_dir, "gen") as (client, port):
+        started = time.perf_counter()
+        latencies, tokens = [], 0
+        for result in client.stream({"input": r, "priority": "batch"} for r in requests):
+            if not result.ok:
+                raise SystemExit(f"batchery failed a request: {result.error}")
+            latencies.append(time.perf_counter() - started)
+            tokens += result.output["tokens"]
+        seconds = time.perf_counter() - started
+        step_ms = mean_step_ms(port)
     row = summary(f"(c) batchery, 1 worker, {BATCH} in flight", latencies, tokens, seconds)
     row["step_ms"] = step_ms
     return row
@@ -139,9 +147,7 @@ def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[
 
 def mean_step_ms(port: int) -> float:
     """batchery_inference_seconds per decode step, from the worker's metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line.startswith("batchery_inference_seconds_")}
+    values = common.metrics(port)
     return 1000 * values["batchery_inference_seconds_sum"] / max(1, values["batchery_inference_seconds_count"])
 
 
@@ -160,41 +166,32 @@ def prefill_ms(model_dir: Path, prompts: list[str]) -> float:
 def realtime_ttft(url: str, model_dir: Path, requests: list[dict[str, Any]],
                   seconds: float) -> dict[str, Any]:
     """A flood of batch-class requests decoding; realtime streamed requests meanwhile."""
-    queue = f"ttft-{time.monotonic_ns()}"
-    port = common.free_port()
-    worker = common.batchery_worker(url, queue, *worker_args(model_dir, port))
-    try:
-        with Client(url, queue) as client:
-            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
-            list(client.stream([{"input": {"prompt": "warm up", "max_new_tokens": 8}}]))
-            common.freeze()
-            client.enqueue_many(({"input": r, "priority": "batch"} for r in requests), reply=False)
-            firsts: list[float] = []
-            after_claim: list[float] = []
-            lock = threading.Lock()
+    with serving_worker(url, model_dir, "ttft") as (client, port):
+        client.enqueue_many(({"input": r, "priority": "batch"} for r in requests), reply=False)
+        firsts: list[float] = []
+        after_claim: list[float] = []
+        lock = threading.Lock()
 
-            def one(prompt: str) -> None:
-                sent = time.perf_counter()
-                handle = client.enqueue({"prompt": prompt, "max_new_tokens": 8, "stream": True},
-                                        priority="realtime")
-                first = None
-                for event in handle.stream(timeout=60):
-                    if event.kind == "text" and first is None:
-                        first = time.perf_counter() - sent
-                with lock:
-                    firsts.append(first if first is not None else float("nan"))
-                    after_claim.append(admitted_to_first_text(client, handle.id))
-            prompts = paragraphs(len(requests) + 200)[len(requests):]
-            with ThreadPoolExecutor(8) as pool:
-                end, i = time.perf_counter() + seconds, 0
-                while time.perf_counter() < end:
-                    pool.submit(one, prompts[i % len(prompts)])
-                    i += 1
-                    time.sleep(REALTIME_EVERY_S)
-            step_ms = mean_step_ms(port)
-            flood_left = client.queue.stats()["pending"]
-    finally:
-        common.stop([worker])
+        def one(prompt: str) -> None:
+            sent = time.perf_counter()
+            handle = client.enqueue({"prompt": prompt, "max_new_tokens": 8, "stream": True},
+                                    priority="realtime")
+            first = None
+            for event in handle.stream(timeout=60):
+                if event.kind == "text" and first is None:
+                    first = time.perf_counter() - sent
+            with lock:
+                firsts.append(first if first is not None else float("nan"))
+                after_claim.append(admitted_to_first_text(client, handle.id))
+        prompts = paragraphs(len(requests) + 200)[len(requests):]
+        with ThreadPoolExecutor(8) as pool:
+            end, i = time.perf_counter() + seconds, 0
+            while time.perf_counter() < end:
+                pool.submit(one, prompts[i % len(prompts)])
+                i += 1
+                time.sleep(REALTIME_EVERY_S)
+        step_ms = mean_step_ms(port)
+        flood_left = client.queue.stats()["pending"]
     return {"scenario": f"realtime every {REALTIME_EVERY_S * 1000:.0f} ms during a flood of "
                         f"{len(requests)} batch requests", "realtime": len(firsts),
             "ttft_p50_ms": 1000 * common.percentile(firsts, 0.5),

@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before transformers is imported
@@ -31,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before transformers 
 from batchery import Client  # noqa: E402
 from bench import common  # noqa: E402
 from bench.corpus import passages  # noqa: E402
-from bench.model import best, check, load_model, measure, sorted_loop, sweep  # noqa: E402
+from bench.model import COLUMNS, best, check, load_model, measure, sorted_loop, sweep  # noqa: E402
 
 SWEEP = (8, 16, 32, 64)
 WORKER = ("--task", "embed", "--model", "minilm")  # and nothing else: the defaults
@@ -70,9 +69,7 @@ class Worker:
         self.proc = common.batchery_worker(url, queue, *WORKER, "--metrics-port", str(self.port))
 
     def batch_size(self) -> int:
-        page = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics").read().decode()
-        line = next(l for l in page.splitlines() if l.startswith("batchery_max_batch_size"))
-        return int(float(line.split()[1]))
+        return int(common.metrics(self.port)["batchery_max_batch_size"])
 
     def stop(self) -> None:
         common.stop([self.proc])
@@ -135,11 +132,6 @@ def key_of(found: dict[str, Any]) -> str:
 def points(name: str, diff: float, most: float = 3.0) -> str:
     return (f"{name}: {diff:+.1f} points (target >= -{most:g}): "
             f"{'met' if diff >= -most else 'MISSED'}")
-
-
-COLUMNS = [("system", "system", ""), ("size", "max batch", ""), ("rps", "requests/s", ".1f"),
-           ("padding", "padding eff.", ".1%"), ("batch", "mean batch", ".1f"),
-           ("ratio", "x (a)", ".2f")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

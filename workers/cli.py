@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -64,11 +65,13 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
         from batchery.workers.supervisor import supervise
         raise SystemExit(supervise(concurrency, metrics_port, device))
     from batchery.workers.options import WorkerOptions
-    # checked before the model loads: a wrong flag fails in a second, not after a minute
-    WorkerOptions(queue=queue, max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                  lookahead=lookahead,
-                  **{k: v for k, v in (("max_batch_size", max_batch_size),
-                                       ("parallel_batches", parallel_batches)) if v is not None})
+    # checked before the model loads: a wrong flag fails in a second, not after a minute;
+    # the sizes left to the defaults are filled in below, once the model is known
+    given = {k: v for k, v in (("max_batch_size", max_batch_size),
+                               ("parallel_batches", parallel_batches)) if v is not None}
+    options = WorkerOptions(queue=queue, max_batch_tokens=max_batch_tokens,
+                            max_wait_ms=max_wait_ms, lookahead=lookahead,
+                            model=runner or f"{task} {model}", **given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
     from batchery.workers.runners import load_runner
     model_runner = load_runner(task, model, runner, device, allow_download, dtype)
@@ -89,17 +92,15 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
             log.info("batch size %d: requests/s by batch size at a typical length: %s",
                      max_batch_size, ", ".join(f"{s}: {r:.0f}" for s, r in rates.items()))
     metrics.MAX_BATCH_SIZE.set(max_batch_size)
-    options = WorkerOptions(queue=queue, max_batch_size=max_batch_size,
-                            max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms,
-                            lookahead=lookahead, parallel_batches=parallel_batches,
-                            model=runner or f"{task} {model}")
+    options = replace(options, max_batch_size=max_batch_size, parallel_batches=parallel_batches)
     log.info("%d batch(es) at a time of up to %d requests, %s torch thread(s) each",
              parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)
-    from batchery.workers.loop import Worker
-    if task == "generate" and not runner:
-        from batchery.workers.generating import GenerateWorker as Worker  # type: ignore[assignment]
-    log.info("redis %s, queue %r, %s", settings.describe(), queue, runner or f"{task} {model}")
+    if task == "generate" and not runner:  # a decode loop instead of whole batches
+        from batchery.workers.generating import GenerateWorker as Worker
+    else:
+        from batchery.workers.loop import Worker  # type: ignore[assignment]
+    log.info("redis %s, queue %r, %s", settings.describe(), queue, options.model)
     # The model and its libraries live as long as the process: keep the garbage collector's
     # full passes off their ~400k objects (with transformers loaded each took 200+ ms,
     # stalling the batch that happened to trigger it).

@@ -64,15 +64,15 @@ class DecodeLoop:
             self._flush_streams()
 
     # -- admission -------------------------------------------------------------------
-    def _room(self) -> tuple[int, int]:
-        held = self.batch.rows + self.waiting
+    def _room(self, held: list[Sequence]) -> tuple[int, int]:
+        """Sequences and cache tokens still free beside ``held``."""
         return (self.options.max_batch_size - len(held),
                 self.options.max_batch_tokens - sum(s.reserved for s in held))
 
     def _fill(self, burst: bool) -> bool | None:
         """Admit waiting requests, then claim into the room left; None: burst over."""
         self._admit([])
-        slots, tokens = self._room()
+        slots, tokens = self._room(self.batch.rows + self.waiting)
         if self.waiting or slots < 1 or tokens < 1 or time.monotonic() < self._claim_after:
             return True
         idle = not self.batch.rows
@@ -111,8 +111,7 @@ class DecodeLoop:
         """Prefill what fits, in claim order; the rest waits for room."""
         queue_ = self.waiting + [s for s in claimed if s is not None]
         self.waiting, joining = [], []
-        slots, tokens = self.options.max_batch_size - len(self.batch.rows), \
-            self.options.max_batch_tokens - sum(s.reserved for s in self.batch.rows)
+        slots, tokens = self._room(self.batch.rows)
         for s in queue_:
             fits = not self.waiting and len(joining) < slots and s.reserved <= tokens
             if fits or not (self.batch.rows or joining):  # an empty batch takes anything

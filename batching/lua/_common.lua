@@ -92,16 +92,6 @@ end
 -- garbage (the results stay readable under their own keys for the result TTL).
 local REPLY_TTL = 3600
 
--- Store a result, and push it to the reply list of the client that waits for it.
-local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
-  rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
-  local reply = reply_key(reply_prefix, client)
-  if reply then
-    rcall('RPUSH', reply, json)
-    rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
-  end
-end
-
 -- Push results to their clients' reply lists: one RPUSH and one EXPIRE per client.
 -- by_client: client id -> list of result JSON, in commit order.
 local function push_replies(reply_prefix, by_client, ttl)
@@ -112,6 +102,12 @@ local function push_replies(reply_prefix, by_client, ttl)
       rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
     end
   end
+end
+
+-- Store a result, and push it to the reply list of the client that waits for it.
+local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
+  rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
+  if client then push_replies(reply_prefix, {[client] = {json}}, ttl) end
 end
 
 -- How each failed run of a request ended (the `history` hash): a JSON list of

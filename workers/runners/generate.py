@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchery.workers.runners.base import InputError, Prepared, text_of
+from batchery.workers.runners.base import InputError, Prepared
 from batchery.workers.runners.decoding import DecodeBatch, Sequence
-from batchery.workers.runners.hf import HFRunner, text_or_none, count_texts, to_device
-from batchery.workers.runners.sampling import DEFAULT_NEW_TOKENS, MAX_NEW_TOKENS, parse_params
+from batchery.workers.runners.hf import HFRunner, count_texts, to_device
+from batchery.workers.runners.sampling import GenParams, parse_params
 
 
 class GenerateRunner(HFRunner):
@@ -53,8 +53,8 @@ class GenerateRunner(HFRunner):
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def prepare(self, inputs: list[Any]) -> Prepared:
-        prompts = [text_of(v, ("prompt", "text")) for v in inputs]
-        new_tokens = [_new_tokens(v) for v in inputs]
+        params = [parse_params(v) for v in inputs]
+        prompts, new_tokens = [p.prompt for p in params], [p.max_new_tokens for p in params]
         room = max(1, self.max_input_tokens - max(new_tokens))
         # no token_type_ids: a BERT-style tokenizer returns them, and GPT-2 would add them
         # to its inputs as token embeddings (of id 0), changing what it generates
@@ -67,11 +67,12 @@ class GenerateRunner(HFRunner):
 
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
         """Prompt (cut to the room its new tokens leave) plus its new tokens."""
-        news = [_new_tokens_or_none(v) for v in inputs]
-        prompts = [text_or_none(v, ("prompt", "text")) if n else None for v, n in zip(inputs, news)]
-        counts = count_texts(self._tokenizer, prompts, self.max_input_tokens)
-        return [None if c is None or n is None else min(c, max(1, self.max_input_tokens - n)) + n
-                for c, n in zip(counts, news)]
+        params = [_params_or_none(v) for v in inputs]
+        counts = count_texts(self._tokenizer, [p and p.prompt for p in params],
+                             self.max_input_tokens)
+        return [None if c is None or p is None else
+                min(c, max(1, self.max_input_tokens - p.max_new_tokens)) + p.max_new_tokens
+                for c, p in zip(counts, params)]
 
     @torch.inference_mode()
     def run(self, data: Any) -> list[Any]:
@@ -89,17 +90,8 @@ class GenerateRunner(HFRunner):
         return results
 
 
-def _new_tokens_or_none(value: Any) -> int | None:
+def _params_or_none(value: Any) -> GenParams | None:
     try:
-        return _new_tokens(value)
-    except InputError:
+        return parse_params(value)
+    except InputError:  # it fails alone when it runs
         return None
-
-
-def _new_tokens(value: Any) -> int:
-    if not isinstance(value, dict) or "max_new_tokens" not in value:
-        return DEFAULT_NEW_TOKENS
-    n = value["max_new_tokens"]
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
-        raise InputError(f"max_new_tokens must be an integer 1..{MAX_NEW_TOKENS}, got {n!r}")
-    return n

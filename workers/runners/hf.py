@@ -102,7 +102,7 @@ class HFRunner(Runner):
         return " ".join(["word"] * max(1, tokens - 2))
 
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
-        return count_texts(self._tokenizer, [text_or_none(v) for v in inputs],
+        return count_texts(self._tokenizer, [_text_or_none(v) for v in inputs],
                            self.max_input_tokens)
 
 
@@ -114,8 +114,8 @@ def count_texts(tokenizer: Any, texts: list[str | None], max_length: int) -> lis
     return [None if t is None else next(counts) for t in texts]
 
 
-def text_or_none(value: Any, fields: tuple[str, ...] = ("text",)) -> str | None:
+def _text_or_none(value: Any) -> str | None:
     try:
-        return text_of(value, fields)
-    except InputError:
+        return text_of(value)
+    except InputError:  # it fails alone when it runs
         return None
