@@ -6,10 +6,21 @@ single slot and the same code runs on Redis Cluster. No key string literals else
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from batchery.errors import ConfigError
 
 PREFIX = "batchery"
 QUEUES = f"{PREFIX}:queues"  # SET of queue names, for `batchery stats` (no tag: read alone)
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def check_queue_name(name: str) -> str:
+    if not QUEUE_NAME.match(name or ""):
+        raise ConfigError(
+            f"queue name {name!r} is not valid: use 1-64 letters, digits, '.', '_' or '-'")
+    return name
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from batchery.config import CLASS_NAME
+from batchery.batching.settings import CLASS_NAME
 from batchery.errors import InvalidRequest
 
 OK, ERROR, EXPIRED, CANCELLED, DEAD = "ok", "error", "expired", "cancelled", "dead"

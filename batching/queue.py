@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 import redis
 
-from batchery.config import QueueSettings, check_queue_name
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
-from batchery.batching.keys import QUEUES, Keys
+from batchery.batching.keys import QUEUES, Keys, check_queue_name
+from batchery.batching.settings import QueueSettings
 from batchery.batching.messages import (CANCELLED, Claimed, Request, Result,
                                         estimate_tokens)
 from batchery.batching.scripts import Scripts
@@ -111,10 +111,25 @@ class RequestQueue:
         call = lookup_call(self.keys, ids)
         return parse_lookup(self.scripts.lookup(call.keys, call.args))
 
+    def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
+        """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
+        then takes up to ``most`` in all."""
+        key = self.keys.reply(client_id)
+        first = self.client.blpop([key], timeout=block_s)
+        if not first:
+            return []
+        rest = self.client.lpop(key, most - 1) or []
+        return [Result.from_json(raw) for raw in [first[1], *rest]]
+
     def forget_results(self, ids: Sequence[str]) -> None:
         """Delete results that reached their reader (QueueSettings.delete_delivered)."""
         if ids:
             self.client.delete(*(self.keys.result(i) for i in ids))
+
+    def active_ids(self, match: str, count: int = 1000) -> list[str]:
+        """Ids of queued or running requests matching the glob ``match`` (a scan of the
+        sched hash: small values, ``count`` per round trip)."""
+        return [i for i, _ in self.client.hscan_iter(self.keys.sched, match=match, count=count)]
 
     def is_known(self, request_id: str) -> bool:
         """Queued, running, dead-lettered, or finished with a result."""
@@ -211,6 +226,23 @@ class RequestQueue:
         for request_id, token in leases:
             args += [request_id, token]
         return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
+
+    def head_rank(self) -> float | None:
+        """The rank of the most urgent pending request; None when none is pending."""
+        head = self.client.zrange(self.keys.pending, 0, 0, withscores=True)
+        return head[0][1] if head else None
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for an enqueue's wake-up signal."""
+        self.client.blpop([self.keys.wake], timeout=timeout_s)
+
+    def take_reaper_turn(self, worker_id: str, ms: int) -> bool:
+        """True for one worker per ``ms``: it reaps this turn (the others skip)."""
+        return bool(self.client.set(self.keys.reaper_lock, worker_id, nx=True, px=ms))
+
+    def depth(self) -> dict[str, int]:
+        """Pending requests per priority class."""
+        return {c: int(n) for c, n in self.client.hgetall(self.keys.depth).items()}
 
     def holders(self, ids: Sequence[str]) -> list[str | None]:
         """The lease token holding each request now; None once it was cancelled or
@@ -343,6 +375,11 @@ class RequestQueue:
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
                 "workers": self.live_workers(),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
+
+
+def queue_names(client: Any) -> list[str]:
+    """Every queue a producer registered, sorted."""
+    return sorted(client.smembers(QUEUES))
 
 
 def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from batchery.config import check_queue_name
+from batchery.batching.keys import check_queue_name
 from batchery.dashboard.access import COOKIE, NO_TOKEN_HINT, Access
 from batchery.dashboard.render import environment
 from batchery.dashboard.state import SAMPLE_S, Board

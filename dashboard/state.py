@@ -16,9 +16,8 @@ from typing import Any
 
 import redis
 
-from batchery.batching.keys import QUEUES
-from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue
-from batchery.config import DEFAULT_CLASS_DELAYS
+from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue, queue_names
+from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
 from batchery.producer import jobs
@@ -98,7 +97,7 @@ class Board:
         return RequestQueue(self.client, name)
 
     def queue_names(self) -> list[str]:
-        return sorted(self.client.smembers(QUEUES))
+        return queue_names(self.client)
 
     def sample(self) -> dict[str, dict[str, Any]]:
         """Every queue's `batchery stats` numbers, recorded in the history."""

@@ -7,15 +7,11 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Iterable, Mapping
 
+from batchery.batching.async_queue import AsyncRequestQueue
+from batchery.batching.keys import Keys, check_queue_name
 from batchery.batching.messages import Request, Result
-from batchery.batching.keys import QUEUES, Keys
-import redis
-
-from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
-                                     parse_clients, parse_enqueue, parse_lookup)
-from batchery.batching.scripts import Scripts
 from batchery.batching.streams import StreamEvent, StreamReader
-from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
+from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
@@ -86,7 +82,8 @@ class AsyncClient:
                  cluster: bool = False) -> None:
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn: Any = None
-        self.keys = Keys(check_queue_name(queue))
+        self._queue_name = check_queue_name(queue)
+        self.keys = Keys(queue)
         self.client_id = secrets.token_hex(8)
         self._new_id = RequestIds()
         self._count: TokenCounter | None = None
@@ -101,14 +98,13 @@ class AsyncClient:
 
     async def connect(self) -> None:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
-        self._scripts = Scripts(self._conn)
-        self.replies = AsyncReplyListener(self._conn, self.keys.reply(self.client_id),
-                                          self._forget_delivered)
-        await self._conn.sadd(QUEUES, self.keys.queue)  # listed for `batchery stats`
+        self.queue = AsyncRequestQueue(self._conn, self._queue_name)
+        self.replies = AsyncReplyListener(self.queue, self.client_id, self._forget_delivered)
+        await self.queue.register()  # listed for `batchery stats`
         await self._load_settings()
 
     async def _load_settings(self) -> None:
-        settings = QueueSettings.from_redis(await self._conn.hgetall(self.keys.settings))
+        settings = await self.queue.settings()
         self._delete_delivered = settings.delete_delivered
         self._count = await asyncio.to_thread(TokenCounter, settings.tokenizer,
                                               settings.max_input_tokens)
@@ -136,12 +132,7 @@ class AsyncClient:
         if not batch:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
-        call = enqueue_call(self.keys, batch, self.client_id)
-        try:
-            reply = await self._scripts.enqueue(call.keys, call.args)
-        except redis.OutOfMemoryError as exc:
-            raise memory_full(exc) from None
-        parse_enqueue(reply, batch)
+        await self.queue.enqueue(batch, self.client_id)
         return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
@@ -192,22 +183,17 @@ class AsyncClient:
         """Each request's Result; else True while Redis holds it, False when it does not."""
         found: list[Result | bool] = []
         for start in range(0, len(ids), ENQUEUE_CHUNK):
-            call = lookup_call(self.keys, ids[start:start + ENQUEUE_CHUNK])
-            found += parse_lookup(await self._scripts.lookup(call.keys, call.args))
+            found += await self.queue.lookup(ids[start:start + ENQUEUE_CHUNK])
         return found
 
     async def _forget_delivered(self, ids: list[str]) -> None:
         if self._delete_delivered:
-            await self._conn.delete(*(self.keys.result(i) for i in ids))
+            await self.queue.forget_results(ids)
 
     async def get(self, request_id: str) -> Result | None:
-        raw = await self._conn.get(self.keys.result(request_id))
-        return Result.from_json(raw) if raw else None
+        """The committed result, or None while it is queued or running (or unknown)."""
+        return await self.queue.result(request_id)
 
     async def cancel(self, ids: list[str]) -> list[int]:
-        if not ids:
-            return []
-        clients = parse_clients(await self._conn.hmget(self.keys.sched, ids))
-        call = cancel_call(self.keys, ids, clients)
-        return [int(f) for f in await self._scripts.cancel(call.keys, call.args)]
+        return await self.queue.cancel(ids)
 

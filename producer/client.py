@@ -160,8 +160,7 @@ class Client:
         self._conn = self.redis.client()
         self.queue = RequestQueue(self._conn, queue)
         self.client_id = secrets.token_hex(8)
-        self.replies = ReplyListener(self._conn, self.queue.keys.reply(self.client_id),
-                                     self._forget_delivered)
+        self.replies = ReplyListener(self.queue, self.client_id, self._forget_delivered)
         self._delete_delivered: bool | None = None
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)

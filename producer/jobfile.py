@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
 from batchery.batching.messages import MAX_ID_LENGTH, Request, Result, dumps, unknown_class
-from batchery.config import QueueSettings
+from batchery.batching.settings import QueueSettings
 from batchery.errors import InvalidRequest
 from batchery.producer.client import REQUEST_FIELDS, make_request
 

@@ -70,7 +70,7 @@ class JobRun:
         self.conn = text_client(job.connection)
         self.queue = RequestQueue(self.conn, spec.queue)
         self.client_id = f"job-{job.id}-{secrets.token_hex(4)}"
-        self.replies = ReplyListener(self.conn, self.queue.keys.reply(self.client_id))
+        self.replies = ReplyListener(self.queue, self.client_id)
         self.progress = Progress()
         self.pending: dict[str, Line] = {}  # request id -> its line, for each queued request
         self.orphans: set[str] = set()  # queued by an earlier run: their results come by polling

@@ -23,7 +23,8 @@ from rq.serializers import JSONSerializer
 
 from batchery.batching.messages import check_priority, unknown_class
 from batchery.batching.queue import RequestQueue
-from batchery.config import DEFAULT_QUEUE, check_queue_name
+from batchery.batching.keys import check_queue_name
+from batchery.config import DEFAULT_QUEUE
 from batchery.connection import text_client
 from batchery.errors import ConfigError, InvalidRequest, JobNotFound
 from batchery.producer.jobfile import errors_path
@@ -270,8 +271,7 @@ def cancel(conn: redis.Redis, job_id: str, wait_s: float = 5.0) -> tuple[str, in
 def withdraw(conn: redis.Redis, queue: str, job_id: str) -> int:
     """Cancel the job's requests still queued in ``queue``; returns how many."""
     requests = RequestQueue(conn, queue)
-    ids = [request_id for request_id, _ in  # sched: every queued or running request, small values
-           conn.hscan_iter(requests.keys.sched, match=f"{job_id}[:#]*", count=WITHDRAW_SCAN)]
+    ids = requests.active_ids(f"{job_id}[:#]*", count=WITHDRAW_SCAN)
     removed = 0
     for start in range(0, len(ids), WITHDRAW_SCAN):
         removed += sum(1 for flag in requests.cancel(ids[start:start + WITHDRAW_SCAN]) if flag)

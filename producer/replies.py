@@ -15,11 +15,13 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import redis
 
+from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.messages import DEAD, Result
+from batchery.batching.queue import RequestQueue
 
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
@@ -30,10 +32,10 @@ RETRY_CAP_S = 2.0
 class ReplyListener:
     """Resolves concurrent.futures of one synchronous client, from a daemon thread."""
 
-    def __init__(self, client: Any, reply_key: str,
+    def __init__(self, queue: RequestQueue, client_id: str,
                  on_delivered: Callable[[list[str]], None] | None = None) -> None:
-        self._client = client
-        self._key = reply_key
+        self._queue = queue
+        self._client_id = client_id
         self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, Future] = weakref.WeakValueDictionary()
         self._sinks: dict[str, Callable[[Result], None]] = {}
@@ -102,27 +104,22 @@ class ReplyListener:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                self.delivered([r for r in map(Result.from_json, self._pop()) if self.deliver(r)])
+                popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN)
+                self.delivered([r for r in popped if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, RETRY_CAP_S)
 
-    def _pop(self) -> list[str]:
-        first = self._client.blpop([self._key], timeout=BLOCK_S)
-        if not first:
-            return []
-        return [first[1], *(self._client.lpop(self._key, DRAIN) or [])]
-
 
 class AsyncReplyListener:
     """The asyncio twin of ReplyListener: one task per client resolves asyncio futures."""
 
-    def __init__(self, client: Any, reply_key: str,
+    def __init__(self, queue: AsyncRequestQueue, client_id: str,
                  on_delivered: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
-        self._client = client
-        self._key = reply_key
+        self._queue = queue
+        self._client_id = client_id
         self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
         self._task: asyncio.Task | None = None
@@ -167,11 +164,8 @@ class AsyncReplyListener:
         backoff = 0.05
         while not self._stopping:
             try:
-                first = await self._client.blpop([self._key], timeout=BLOCK_S)
-                if first:
-                    rest = await self._client.lpop(self._key, DRAIN) or []
-                    results = [Result.from_json(raw) for raw in [first[1], *rest]]
-                    await self.delivered([r for r in results if self.deliver(r)])
+                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN)
+                await self.delivered([r for r in popped if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)

@@ -11,7 +11,7 @@ from batchery import Client, InvalidRequest, Result
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import NAMES, Scripts, source
-from batchery.config import QueueSettings
+from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
 from tests.conftest import RedisServer, run_cli, wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings, strategies as st
 
 from batchery.batching.messages import Result
-from batchery.config import QueueSettings
+from batchery.batching.settings import QueueSettings
 from batchery.producer.jobfile import (IdSet, Invalid, JobFiles, Line, LineParser, LineSet,
                                        errors_path, read_lines, recover)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
-from batchery.config import DEFAULT_CLASS_DELAYS
+from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer

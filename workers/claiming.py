@@ -62,8 +62,8 @@ class Claimer(threading.Thread):
     def _give_back_if_overtaken(self, batch: Batch) -> bool:
         """Release ``batch`` to the queue if a more urgent request is pending; False: run it."""
         try:
-            head = self.queue.client.zrange(self.queue.keys.pending, 0, 0, withscores=True)
-            if not head or head[0][1] >= min(r.rank for r in batch.requests):
+            head = self.queue.head_rank()
+            if head is None or head >= min(r.rank for r in batch.requests):
                 return False
             self.queue.release([(r.id, r.token) for r in batch.requests])
         except redis.RedisError:
@@ -173,7 +173,7 @@ class Claimer(threading.Thread):
         if reply.wait_ms > 0 and reply.wait_ms <= o.max_wait_ms:
             self.stop.wait(wait_s)  # the head is being held: claim again when it is due
         else:
-            self.queue.client.blpop([self.queue.keys.wake], timeout=max(0.01, min(wait_s, o.idle_poll_s)))
+            self.queue.wait_for_work(max(0.01, min(wait_s, o.idle_poll_s)))
 
     def prepare(self, requests: list[Claimed], claimed_ms: int) -> list[Batch]:
         """Tokenize; if the exact count busts the token budget, split by length to fit."""

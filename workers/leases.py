@@ -91,12 +91,12 @@ class Heartbeat(threading.Thread):
             self.queue.publish_worker(self.worker_id, {**self.info(), "inflight": len(self.leases)},
                                       settings.lease_seconds)
         lock_ms = max(1, int(self.interval_s * 1000 * 0.9))
-        if self.queue.client.set(self.queue.keys.reaper_lock, self.worker_id, nx=True, px=lock_ms):
+        if self.queue.take_reaper_turn(self.worker_id, lock_ms):
             self.queue.forget_workers(older_than_s=WORKER_FORGOTTEN_AFTER_LEASES * settings.lease_seconds)
             requeued, dead = self.queue.reap()
             if requeued or dead:
                 log.warning("reaper: %d expired lease(s) back in the queue, %d dead-lettered",
                             requeued, dead)
                 metrics.DEAD_LETTERS.inc(dead)
-        for priority, n in self.queue.client.hgetall(self.queue.keys.depth).items():
-            metrics.QUEUE_DEPTH.labels(self.queue.name, priority).set(int(n))
+        for priority, n in self.queue.depth().items():
+            metrics.QUEUE_DEPTH.labels(self.queue.name, priority).set(n)

@@ -1,4 +1,4 @@
-"""A worker's own settings (queue-wide ones live in Redis: batchery.config.QueueSettings)."""
+"""A worker's own settings (queue-wide ones live in Redis: batchery.batching.settings.QueueSettings)."""
 
 from __future__ import annotations
 

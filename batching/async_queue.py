@@ -1,0 +1,73 @@
+"""The asyncio twin of RequestQueue: the producer's operations awaited.
+
+Same scripts, same call builders and reply parsers (batching/queue.py), over an asyncio
+client, so the synchronous and asyncio clients speak one protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import redis
+
+from batchery.batching.keys import QUEUES, Keys, check_queue_name
+from batchery.batching.messages import Request, Result
+from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
+                                     parse_clients, parse_enqueue, parse_lookup)
+from batchery.batching.scripts import Scripts
+from batchery.batching.settings import QueueSettings
+
+
+class AsyncRequestQueue:
+    """The Redis protocol of one queue, over an asyncio client (``redis.asyncio``)."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.name = check_queue_name(name)
+        self.keys = Keys(name)
+        self.client = client
+        self.scripts = Scripts(client)
+
+    async def register(self) -> None:
+        await self.client.sadd(QUEUES, self.name)
+
+    async def settings(self) -> QueueSettings:
+        return QueueSettings.from_redis(await self.client.hgetall(self.keys.settings))
+
+    async def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
+        call = enqueue_call(self.keys, requests, client_id)
+        try:
+            reply = await self.scripts.enqueue(call.keys, call.args)
+        except redis.OutOfMemoryError as exc:
+            raise memory_full(exc) from None
+        return parse_enqueue(reply, requests)
+
+    async def cancel(self, ids: Sequence[str]) -> list[int]:
+        if not ids:
+            return []
+        clients = parse_clients(await self.client.hmget(self.keys.sched, list(ids)))
+        call = cancel_call(self.keys, ids, clients)
+        return [int(f) for f in await self.scripts.cancel(call.keys, call.args)]
+
+    async def result(self, request_id: str) -> Result | None:
+        raw = await self.client.get(self.keys.result(request_id))
+        return Result.from_json(raw) if raw else None
+
+    async def lookup(self, ids: Sequence[str]) -> list[Result | bool]:
+        if not ids:
+            return []
+        call = lookup_call(self.keys, ids)
+        return parse_lookup(await self.scripts.lookup(call.keys, call.args))
+
+    async def forget_results(self, ids: Sequence[str]) -> None:
+        if ids:
+            await self.client.delete(*(self.keys.result(i) for i in ids))
+
+    async def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
+        """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
+        then takes up to ``most`` in all."""
+        key = self.keys.reply(client_id)
+        first = await self.client.blpop([key], timeout=block_s)
+        if not first:
+            return []
+        rest = await self.client.lpop(key, most - 1) or []
+        return [Result.from_json(raw) for raw in [first[1], *rest]]

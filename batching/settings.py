@@ -1,0 +1,115 @@
+"""Per-queue settings as stored in Redis (the settings hash the Lua scripts read): the
+dataclass, its defaults with their reasons, its checks and its codec."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from batchery.errors import ConfigError
+
+# Seconds added to a request's enqueue time to rank it. A request is overtaken only by
+# requests of a faster class that arrive within (its delay - their delay) after it.
+DEFAULT_CLASS_DELAYS: dict[str, float] = {"realtime": 0.0, "normal": 5.0, "batch": 60.0}
+# A priority class name: lowercase, and never a word Lua or Python reads as a number
+# (inf, infinity, nan), so a name is never taken for a delay. The Lua side reads only
+# digits as a delay (lua/enqueue.lua); everything else is looked up as a class.
+CLASS_NAME = re.compile(r"^(?!(?:inf|infinity|nan)$)[a-z][a-z0-9_-]{0,31}$")
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Per-queue settings, stored in Redis so that producers and workers agree."""
+
+    # Refuse enqueue once this many requests are queued: a bound on Redis memory.
+    max_pending: int = 1_000_000
+    # Seconds added to enqueue time per priority class (see DEFAULT_CLASS_DELAYS).
+    class_delays: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASS_DELAYS))
+    # Runs of one request (failed or lost with its worker) before it is dead-lettered.
+    max_attempts: int = 3
+    # A claim not renewed for this long is taken back; heartbeats renew at a third of it.
+    lease_seconds: float = 30.0
+    # How long results stay readable: long enough for a client that reconnects next day.
+    result_ttl: int = 86_400
+    # Inputs above this are refused at enqueue: 1 MiB keeps Lua calls and replies short.
+    max_request_bytes: int = 1 << 20
+    # Tokenizer workers announce (model dir or id), so producers can count exactly.
+    tokenizer: str = ""
+    # Length the workers' model truncates inputs to (0: none); counts are capped by it.
+    max_input_tokens: int = 0
+    # Room left in a batch led by a faster class is filled with slower-class requests
+    # (throughput); off, it runs with its own class and faster ones only (its latency).
+    fill_from_slower: bool = True
+    # Enqueue is refused (QueueFull, reason memory) once Redis uses this fraction of its
+    # maxmemory: the rest stays free for results, so workers can always commit. 0: off.
+    # No effect on a Redis without maxmemory.
+    memory_high_water: float = 0.9
+    # Seconds a dead letter is kept for `batchery dead list|retry` (its dead result at
+    # least as long); then the reaper forgets it and its id may be enqueued afresh.
+    # A week: an operator back from a weekend still finds last Friday's failures.
+    dead_ttl: int = 7 * 86_400
+    # A result handed to the client that waited for it (or written to an offline job's
+    # output) is deleted from Redis at once; off, it stays for result_ttl.
+    delete_delivered: bool = True
+    # Workers claim nothing while set (`batchery queue pause`); producers still enqueue.
+    paused: bool = False
+
+    def to_redis(self) -> dict[str, str]:
+        """The settings as the flat hash the Lua scripts read."""
+        flat = {k: str(int(v) if isinstance(v, bool) else v)  # Lua reads booleans as 1 / 0
+                for k, v in asdict(self).items() if k != "class_delays"}
+        flat.update({f"delay:{c}": str(s) for c, s in self.class_delays.items()})
+        return flat
+
+    @classmethod
+    def from_redis(cls, flat: Mapping[str, str]) -> "QueueSettings":
+        base = cls()
+        values: dict[str, Any] = {}
+        delays = dict(base.class_delays)
+        for key, raw in flat.items():
+            if key.startswith("delay:"):
+                delays[key[len("delay:"):]] = float(raw)
+            elif key in _FIELD_TYPES:
+                values[key] = _FIELD_TYPES[key](raw)
+        return replace(base, class_delays=delays, **values)
+
+    def updated(self, **changes: Any) -> "QueueSettings":
+        """A copy with changes applied and checked; raises ConfigError naming the bad value."""
+        new = replace(self, **changes)
+        new.check()
+        return new
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first setting out of its range (nan and inf too)."""
+        for name, (low, high) in LIMITS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+                raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
+        for name, delay in self.class_delays.items():
+            if not CLASS_NAME.match(name):
+                raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or "
+                                  "'_', starting with a letter (not inf, infinity or nan)")
+            if not (math.isfinite(delay) and 0 <= delay <= MAX_CLASS_DELAY_S):
+                raise ConfigError(f"class delay for {name!r} must be 0..{MAX_CLASS_DELAY_S} "
+                                  f"seconds, got {delay}")
+
+
+MAX_CLASS_DELAY_S = 7 * 86_400
+# Accepted range of each numeric setting. The upper bounds keep every value one Redis
+# and Lua can use (an expire of 10**16 s is "invalid expire time" on every commit).
+LIMITS: dict[str, tuple[float, float]] = {
+    "max_pending": (1, 1_000_000_000),
+    "max_attempts": (1, 1000),
+    "lease_seconds": (1, 86_400),             # a day: a lease is a heartbeat's grace, not a job's
+    "result_ttl": (1, 366 * 86_400),          # a year
+    "dead_ttl": (1, 366 * 86_400),
+    "max_request_bytes": (64, 512 << 20),     # Redis' bulk string limit
+    "max_input_tokens": (0, 10_000_000),
+    "memory_high_water": (0, 1),
+}
+
+
+_PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}
+_FIELD_TYPES = {f.name: _PARSERS[str(f.type)]
+                for f in fields(QueueSettings) if f.name != "class_delays"}
