@@ -62,7 +62,8 @@ def lost(request_id: str) -> RequestLost:
         f"request {request_id!r} is not in Redis any more: not queued, not running, and no "
         "result. Its result was delivered already (and deleted: queue setting "
         "delete_delivered) or expired (result_ttl), or Redis lost the request itself (a "
-        "crash loses the last second of writes under appendfsync everysec). Enqueue it again "
+        "crash loses the last second of writes under appendfsync everysec; a failover, the writes "
+        "its replica had not received yet). Enqueue it again "
         "to run it.")
 
 
