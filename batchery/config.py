@@ -1,6 +1,10 @@
-"""Settings and their defaults, each default with its reason. One place for all of them.
+"""Settings and their defaults, each default with its reason; the environment variables
+batchery reads. One place for all of them.
 
-Configuration flows environment -> click option (``envvar=``) -> these dataclasses.
+Configuration flows environment -> click option -> these dataclasses. Every option of
+every command also reads ``BATCHERY_<OPTION>`` (``--max-batch-size``:
+``BATCHERY_MAX_BATCH_SIZE``); the names below are the ones that differ from that rule or
+that code reads directly.
 """
 
 from __future__ import annotations
@@ -14,11 +18,17 @@ from typing import Any, Mapping
 
 from batchery.errors import ConfigError
 
+ENV_PREFIX = "BATCHERY"  # BATCHERY_<OPTION> for every option (batchery/cli_shared.py)
 ENV_REDIS_URL = "BATCHERY_REDIS_URL"
 ENV_REDIS_URL_FALLBACK = "REDIS_URL"  # what Heroku-style Redis add-ons set
 ENV_NO_EMBEDDED = "BATCHERY_NO_EMBEDDED"  # 1: a missing Redis URL is an error
 ENV_HOME = "BATCHERY_HOME"
 ENV_QUEUE = "BATCHERY_QUEUE"
+ENV_LOG_LEVEL = "BATCHERY_LOG_LEVEL"
+ENV_TORCH_THREADS = "BATCHERY_TORCH_THREADS"  # worker --threads
+ENV_DASHBOARD_HOST = "BATCHERY_DASHBOARD_HOST"  # dashboard --host, --port, --token
+ENV_DASHBOARD_PORT = "BATCHERY_DASHBOARD_PORT"
+ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
 
 DEFAULT_QUEUE = "default"
 EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"

@@ -23,7 +23,7 @@ os.environ.setdefault("BATCHERY_HOME", str(ROOT / ".batchery"))  # the demo's ow
 
 from batchery.batching.queue import RequestQueue  # noqa: E402  (after BATCHERY_HOME is set)
 from batchery.connection import RedisSettings  # noqa: E402
-from batchery.producer import jobs  # noqa: E402
+from batchery.producer.jobs import bookkeeping as jobs  # noqa: E402
 from bench.corpus import paragraphs  # noqa: E402
 
 QUEUE = "demo"

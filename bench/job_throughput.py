@@ -43,7 +43,7 @@ def batchery(*args: str, **popen: Any) -> subprocess.Popen:
 
 def run_one(url: str, workdir: Path, lines: int, workers: int, max_in_flight: int) -> dict[str, Any]:
     from batchery.connection import RedisSettings
-    from batchery.producer import jobs
+    from batchery.producer.jobs import bookkeeping as jobs
     queue = f"bench-{lines}"
     source = workdir / f"in-{lines}.jsonl"
     with open(source, "w") as f:

@@ -21,7 +21,7 @@ from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue
 from batchery.config import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
-from batchery.producer import jobs
+from batchery.producer.jobs import bookkeeping as jobs
 
 HISTORY_S = 15 * 60      # the depth chart's window: long enough to see a trend at night
 SAMPLE_S = 2.0           # one depth sample per queue this often

@@ -27,6 +27,7 @@ from batchery.batching.keys import Keys
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from batchery.cli import cli
+from batchery.cli_shared import env_names, walk
 from batchery.workers import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +43,8 @@ TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped seri
 
 
 # -- batchery's command line, as click sees it ----------------------------------------------
-def _walk(command: click.Command) -> Iterator[click.Command]:
-    yield command
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            yield from _walk(sub)
-
-
-BATCHERY_ENV = ({e for c in _walk(cli) for p in c.params if p.envvar
-                 for e in ([p.envvar] if isinstance(p.envvar, str) else p.envvar)}
-                | {v for k, v in vars(config).items() if k.startswith("ENV_")})
+BATCHERY_ENV = ({e for _, c in walk(cli) for p in c.params for e in env_names(p)}
+                | {v for k, v in vars(config).items() if k.startswith("ENV_") and k != "ENV_PREFIX"})
 
 
 def parse(argv: list[str], where: str, loose: bool = False) -> click.Context:
