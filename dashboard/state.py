@@ -101,14 +101,14 @@ class Board:
         return sorted(self.client.smembers(QUEUES))
 
     def sample(self) -> dict[str, dict[str, Any]]:
-        """Every queue's `batchery stats` numbers, recorded in the history."""
+        """Every queue's `batchery queue stats` numbers, recorded in the history."""
         stats = {name: self.queue(name).stats() for name in self.queue_names()}
         for name, s in stats.items():
             self.history.add(name, s)
         return stats
 
     def state(self) -> dict[str, Any]:
-        """Everything the page shows; ``queues`` holds `batchery stats --json`'s numbers."""
+        """Everything the page shows; ``queues`` holds `batchery queue stats --json`'s numbers."""
         stats = {name: self.queue(name).stats() for name in self.queue_names()}
         queues = {name: self._queue_view(name, s) for name, s in stats.items()}
         workers = [w for view in queues.values() for w in view.pop("worker_list")]

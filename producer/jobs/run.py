@@ -261,9 +261,9 @@ class JobRun:
             return
         self.orphans.discard(result.id)
         if result.status == CANCELLED_RESULT and self._cancelled():
-            return  # withdrawn by `batchery cancel`: the line did not run
+            return  # withdrawn by `batchery job cancel`: the line did not run
         self.files.result(line, result)
-        if result.status != DEAD_RESULT:  # dead letters stay for `batchery dead list`
+        if result.status != DEAD_RESULT:  # dead letters stay for `batchery queue dead list`
             self.written.append(result.id)
         if result.status == OK:
             self.progress.ok += 1
