@@ -12,6 +12,7 @@ from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
 
 from batchery.dashboard.access import ENV_TOKEN, Access, check_token, is_loopback
+from batchery.dashboard.state import SAMPLE_S, Board, Options
 
 DEFAULT_HOST = "127.0.0.1"   # only this machine: binding elsewhere is a decision, with a token
 DEFAULT_PORT = 8480
@@ -45,7 +46,7 @@ def check_port_free(host: str, port: int) -> None:
               "one, printed in the URL at start.")
 @click.option("--show-payloads", is_flag=True, help="Show dead letters' inputs (users' data: "
               "hidden unless asked for).")
-@click.option("--interval", type=FINITE, default=2.0, show_default=True,
+@click.option("--interval", type=FINITE, default=SAMPLE_S, show_default=True,
               help="Seconds between refreshes of the page and samples of the depth chart.")
 @jobs_queue_option
 @redis_options
@@ -58,7 +59,6 @@ def dashboard(host: str, port: int, token: str | None, show_payloads: bool, inte
     except ImportError as exc:
         raise ConfigError(f"the dashboard needs its extra ({exc.name} is missing): "
                           "pip install 'batchery[dashboard]'") from None
-    from batchery.dashboard.state import Board, Options
     if not 0.2 <= interval <= 3600:
         raise ConfigError(f"--interval must be 0.2..3600 seconds, got {interval}")
     token, made_up = check_token(host, token)

@@ -77,8 +77,15 @@ def test_job_writes_one_line_per_valid_line_and_errors_file(
     assert [json.loads(x) for x in shown.stdout.splitlines()] == results
     assert run_cli("job", "results", job, "--path", redis_url=redis_url).stdout.strip() == str(output)
     assert len(run_cli("job", "results", job, "--errors", redis_url=redis_url).stdout.splitlines()) == 7
-    listed = run_cli("job", "status", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
+    where = run_cli("job", "results", job, "--path", "--json", redis_url=redis_url).stdout
+    assert json.loads(where) == {"path": str(output), "state": "finished"}
+    listed = run_cli("job", "list", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
     assert job in listed and "finished" in listed
+    [row] = json.loads(run_cli("job", "list", "--jobs-queue", jobs_queue, "--json",
+                               redis_url=redis_url).stdout)["jobs"]
+    assert (row["id"], row["state"], row["ok"], row["error"]) == (job, "finished", 152, 7)
+    assert run_cli("job", "status", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout == \
+        run_cli("job", "list", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
 
 
 def test_job_waits_out_a_full_queue(redis_url: str, queue_name: str, jobs_queue: str,
@@ -264,6 +271,33 @@ def test_cancel_queued_job_never_runs(redis_url: str, queue_name: str, jobs_queu
     assert status(redis_url, job)["state"] == "cancelled"
     assert output.read_text() == ""
     assert _stats(redis_url, queue_name)["pending"] == 0
+    again = run_cli("job", "cancel", job, "--json", redis_url=redis_url)
+    assert json.loads(again.stdout) == {"id": job, "was": "cancelled", "removed": 0,
+                                        "cancelled": False}
+
+
+def test_a_job_queued_under_the_former_function_path_still_runs(
+        redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs queued before producer/jobs/ name batchery.producer.jobrun.run_job."""
+    from batchery.connection import RedisSettings
+    from batchery.producer.jobs import bookkeeping
+    [former] = bookkeeping.FORMER_JOB_FUNCS
+    monkeypatch.setattr(bookkeeping, "JOB_FUNC", former)  # submit as an older batchery did
+    conn = RedisSettings.from_url(redis_url).binary_client()
+    output = tmp_path / "out.jsonl"
+    job = bookkeeping.submit(conn, str(write_lines(tmp_path / "in.jsonl", requests(5))),
+                             str(output), queue=queue_name, jobs_queue=jobs_queue)
+    assert job.func_name == former
+    monkeypatch.undo()
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
+    try:
+        ran = run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
+    finally:
+        stop_process(worker)
+    assert ran.returncode == 0, ran.stderr
+    assert status(redis_url, job.id)["state"] == "finished"
+    assert len(read_jsonl(output)) == 5
 
 
 def _stats(redis_url: str, queue: str) -> dict:
@@ -292,7 +326,7 @@ def test_submit_refuses_unusable_files_with_exit_2(redis_url: str, queue_name: s
         assert done.stdout == ""
     assert (tmp_path / "taken.jsonl").read_text() == "old results\n"
     assert not (tmp_path / "o3.jsonl").exists()
-    listed = run_cli("job", "status", "--jobs-queue", jobs_queue, "--json", redis_url=redis_url)
+    listed = run_cli("job", "list", "--jobs-queue", jobs_queue, "--json", redis_url=redis_url)
     assert json.loads(listed.stdout) == {"jobs": []}
     unknown = run_cli("job", "status", "0123456789ab", redis_url=redis_url)
     assert unknown.returncode == 4 and "no offline job" in unknown.stderr
