@@ -138,7 +138,8 @@ def default_of(settings: type, name: str) -> Any:
 
 
 # -- the command tree ----------------------------------------------------------------------
-def walk(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+def walk(command: click.Command,
+         path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], click.Command]]:
     """Every command under ``command`` (itself first), with its path of names."""
     yield path, command
     if isinstance(command, click.Group):
@@ -157,9 +158,13 @@ def env_names(param: click.Parameter) -> list[str]:
 
 def finish_tree(root: click.Group) -> None:
     """Every option of every command reads BATCHERY_<OPTION> (not click's default
-    BATCHERY_<COMMAND>_<OPTION>: one name per setting, whichever command reads it), and
+    BATCHERY_<COMMAND>_<OPTION>: one name per setting, whichever command reads it) unless
+    it names its own variables (config.py: --redis-url, --threads, the dashboard's), and
     every command takes --log-level after its name too."""
     for path, command in walk(root):
         command.context_settings.setdefault("auto_envvar_prefix", ENV_PREFIX)
+        for param in command.params:
+            if isinstance(param, click.Option) and param.envvar:  # a name of its own instead
+                param.allow_from_autoenv = False
         if path and not any(p.name == "log_level" for p in command.params):
             log_level_option(command)

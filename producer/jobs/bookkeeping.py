@@ -28,10 +28,9 @@ from batchery.connection import text_client
 from batchery.errors import ConfigError, InvalidRequest, JobNotFound
 from batchery.producer.jobs.files import errors_path
 from batchery.producer.jobs.run import run_job
-from batchery.producer.jobs.spec import (CANCELLED, COUNTING, DEFAULT_MAX_IN_FLIGHT,  # noqa: F401
-                                         DEFAULT_PRIORITY, DEFAULT_RETRIES, FAILED, FINALIZING,
-                                         FINISHED, JOBS_QUEUE, QUEUED, RUNNING, STOPPED, JobSpec,
-                                         Progress)
+from batchery.producer.jobs.spec import (CANCELLED, DEFAULT_MAX_IN_FLIGHT, DEFAULT_PRIORITY,
+                                         DEFAULT_RETRIES, FAILED, FINALIZING, FINISHED,
+                                         JOBS_QUEUE, QUEUED, RUNNING, JobSpec, Progress)
 
 RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
 WITHDRAW_SCAN = 1000
