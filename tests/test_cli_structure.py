@@ -54,6 +54,7 @@ def test_one_environment_name_means_one_option() -> None:
     clashes = {name: opts for name, opts in meaning.items() if len(opts) > 1}
     assert not clashes, clashes
     assert not NOT_OPTIONS & set(meaning) - {config.ENV_REDIS_URL_FALLBACK}
+    assert not [name for name in meaning if name.startswith("BATCHERY_TEST_")]  # tests' hooks
 
 
 def test_an_option_comes_from_the_environment(redis_url: str) -> None:
