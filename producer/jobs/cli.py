@@ -94,7 +94,7 @@ def _rq_url(settings: RedisSettings) -> str:
 @click.argument("job_id", metavar="[JOB]", required=False)
 @json_option
 @click.option("--watch", is_flag=True, allow_from_autoenv=False, help="A live progress bar "
-              "until the job ends; exits 1 if it failed or was cancelled.")
+              "until the job ends; exits 7 if it failed or was cancelled.")
 @click.option("--limit", default=20, show_default=True, help="Jobs listed without JOB.")
 @jobs_queue_option
 @redis_options
