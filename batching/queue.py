@@ -376,10 +376,10 @@ class RequestQueue:
                 "workers": self.live_workers(),
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
-
-def queue_names(client: Any) -> list[str]:
-    """Every queue a producer registered, sorted."""
-    return sorted(client.smembers(QUEUES))
+    @staticmethod
+    def known_queues(client: Any) -> list[str]:
+        """Every queue registered on this Redis, sorted (what `batchery queue stats` lists)."""
+        return sorted(client.smembers(QUEUES))
 
 
 def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:

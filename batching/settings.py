@@ -45,7 +45,7 @@ class QueueSettings:
     # maxmemory: the rest stays free for results, so workers can always commit. 0: off.
     # No effect on a Redis without maxmemory.
     memory_high_water: float = 0.9
-    # Seconds a dead letter is kept for `batchery dead list|retry` (its dead result at
+    # Seconds a dead letter is kept for `batchery queue dead list|retry` (its dead result at
     # least as long); then the reaper forgets it and its id may be enqueued afresh.
     # A week: an operator back from a weekend still finds last Friday's failures.
     dead_ttl: int = 7 * 86_400

@@ -59,7 +59,7 @@ def scene(out: Path, seconds: float) -> None:
             f.write(json.dumps({"custom_id": f"p{i}", "input": text}) + "\n")
     procs = [batchery("worker", "--queue", "embed", "--task", "embed", "--model", "minilm",
                       "--max-batch-size", "32", "--parallel-batches", "1"),
-             batchery("jobs-worker")]
+             batchery("job", "worker")]
     reranker = batchery("worker", "--queue", "rerank", "--runner", "bench.runners:poisoned")
     subprocess.run([sys.executable, "-m", "batchery", "queue", "config", "rerank",
                     "--lease-seconds", "6"], env=ENV, check=True, capture_output=True)
@@ -69,7 +69,7 @@ def scene(out: Path, seconds: float) -> None:
             handles = client.enqueue_many([{"input": "poison pill"}, {"input": "fine"},
                                            {"input": {"query": "poison", "docs": 3}}])
             [h.result(timeout=120) for h in handles]
-        subprocess.run([sys.executable, "-m", "batchery", "submit", str(source), "-o",
+        subprocess.run([sys.executable, "-m", "batchery", "job", "submit", str(source), "-o",
                         str(Path(HOME) / "embeddings.jsonl"), "--queue", "embed",
                         "--max-in-flight", "400"], env=ENV, check=True, capture_output=True)
         threading.Thread(target=trickle, args=(stop,), daemon=True).start()

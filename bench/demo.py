@@ -2,8 +2,8 @@
 
 Starts the embedded Redis, a MiniLM worker with no tuning flags (on a CPU it runs one
 batch per core) and a jobs worker; writes the paragraphs
-to a JSONL file (all three priority classes), submits it with `batchery submit`, follows
-it with `batchery status JOB --watch`, and ends with a table: throughput, batch size,
+to a JSONL file (all three priority classes), submits it with `batchery job submit`, follows
+it with `batchery job status JOB --watch`, and ends with a table: throughput, batch size,
 padding, waits per class.
 """
 
@@ -23,7 +23,7 @@ os.environ.setdefault("BATCHERY_HOME", str(ROOT / ".batchery"))  # the demo's ow
 
 from batchery.batching.queue import RequestQueue  # noqa: E402  (after BATCHERY_HOME is set)
 from batchery.connection import RedisSettings  # noqa: E402
-from batchery.producer import jobs  # noqa: E402
+from batchery.producer.jobs import bookkeeping as jobs  # noqa: E402
 from bench.corpus import paragraphs  # noqa: E402
 
 QUEUE = "demo"
@@ -46,7 +46,7 @@ def batchery(*args: str) -> list[str]:
 def start_workers() -> list[subprocess.Popen]:
     cmd = batchery("worker", "--queue", QUEUE, "--task", "embed", "--model", "minilm")
     return [subprocess.Popen(cmd, env=ENV) for _ in range(WORKERS)] + [
-        subprocess.Popen(batchery("jobs-worker"), env=ENV)]
+        subprocess.Popen(batchery("job", "worker"), env=ENV)]
 
 
 def reset(queue: RequestQueue) -> None:
@@ -79,13 +79,13 @@ def main() -> None:
     procs = start_workers()
     try:
         wait_live(queue)
-        submit = batchery("submit", str(source), "-o", str(output), "--queue", QUEUE,
+        submit = batchery("job", "submit", str(source), "-o", str(output), "--queue", QUEUE,
                           "--max-in-flight", str(N_REQUESTS), "--overwrite")
         print("$ batchery " + " ".join(submit[3:]), file=sys.stderr)
         job_id = subprocess.run(submit, env=ENV, check=True, capture_output=True,
                                 text=True).stdout.strip()
-        print(f"$ batchery status {job_id} --watch", file=sys.stderr)
-        watched = subprocess.run(batchery("status", job_id, "--watch"), env=ENV,
+        print(f"$ batchery job status {job_id} --watch", file=sys.stderr)
+        watched = subprocess.run(batchery("job", "status", job_id, "--watch"), env=ENV,
                                  stdout=subprocess.PIPE, text=True)
         if watched.returncode != 0:
             raise SystemExit(f"the job did not finish:\n{watched.stdout}")

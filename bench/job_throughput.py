@@ -3,8 +3,8 @@
     python -m bench.job_throughput [--lines 20000 100000] [--workers 2] [--max-in-flight 2000]
 
 For each size: a private redis-server, WORKERS workers with a no-op model (so the
-numbers are batchery's: file, Redis, RQ, not a model), one `batchery jobs-worker`, and
-a JSONL file of short texts submitted with `batchery submit`. Prints lines/s (RQ's
+numbers are batchery's: file, Redis, RQ, not a model), one `batchery job worker`, and
+a JSONL file of short texts submitted with `batchery job submit`. Prints lines/s (RQ's
 started -> ended time of the job) and the jobs worker's peak RSS (VmHWM), before and
 after the job: flat memory means the peak does not grow with the file.
 """
@@ -43,7 +43,7 @@ def batchery(*args: str, **popen: Any) -> subprocess.Popen:
 
 def run_one(url: str, workdir: Path, lines: int, workers: int, max_in_flight: int) -> dict[str, Any]:
     from batchery.connection import RedisSettings
-    from batchery.producer import jobs
+    from batchery.producer.jobs import bookkeeping as jobs
     queue = f"bench-{lines}"
     source = workdir / f"in-{lines}.jsonl"
     with open(source, "w") as f:
@@ -53,13 +53,13 @@ def run_one(url: str, workdir: Path, lines: int, workers: int, max_in_flight: in
     procs = [batchery("worker", "--queue", queue, "--runner", "bench.runners:noop",
                       "--max-batch-size", "256", "--max-wait-ms", "2", **quiet)
              for _ in range(workers)]
-    jobs_worker = batchery("jobs-worker", "--jobs-queue", queue, **quiet)
+    jobs_worker = batchery("job", "worker", "--jobs-queue", queue, **quiet)
     procs.append(jobs_worker)
     try:
         time.sleep(2.0)  # all started and idle
         idle_rss = peak_rss_mib(jobs_worker.pid)
         submitted = subprocess.run(
-            [sys.executable, "-m", "batchery", "submit", str(source), "-o", str(workdir / f"out-{lines}.jsonl"),
+            [sys.executable, "-m", "batchery", "job", "submit", str(source), "-o", str(workdir / f"out-{lines}.jsonl"),
              "--queue", queue, "--jobs-queue", queue, "--max-in-flight", str(max_in_flight)],
             cwd=ROOT, capture_output=True, text=True, check=True)
         conn = RedisSettings.from_url(url).binary_client()
@@ -97,7 +97,7 @@ def main() -> None:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"offline job, no-op model, {args.workers} workers, max in flight {args.max_in_flight}")
-    print(f"{'lines':>9} {'ok':>9} {'seconds':>9} {'lines/s':>9} {'jobs-worker RSS idle':>21} "
+    print(f"{'lines':>9} {'ok':>9} {'seconds':>9} {'lines/s':>9} {'jobs worker RSS idle':>21} "
           f"{'peak (MiB)':>11}")
     for r in rows:
         print(f"{r['lines']:>9} {r['ok']:>9} {r['seconds']:>9.2f} {r['rate']:>9.0f} "

@@ -14,9 +14,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from batchery.config import ENV_DASHBOARD_TOKEN
 from batchery.errors import ConfigError
 
-ENV_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
+ENV_TOKEN = ENV_DASHBOARD_TOKEN
 MIN_TOKEN_CHARS = 16         # a token guards retry, purge and cancel: not a short password
 COOKIE = "batchery_dashboard_token"
 HEADER = "x-batchery-token"

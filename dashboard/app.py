@@ -27,7 +27,7 @@ from batchery.dashboard.access import COOKIE, NO_TOKEN_HINT, Access
 from batchery.dashboard.render import environment
 from batchery.dashboard.state import SAMPLE_S, Board
 from batchery.errors import BatcheryError, JobNotFound
-from batchery.producer import jobs
+from batchery.producer.jobs import bookkeeping as jobs
 
 log = logging.getLogger(__name__)
 

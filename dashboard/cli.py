@@ -6,11 +6,13 @@ import socket
 
 import click
 
+from batchery.cli_shared import FINITE, jobs_queue_option, redis_options
+from batchery.config import ENV_DASHBOARD_HOST, ENV_DASHBOARD_PORT
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
-from batchery.params import FINITE
 
 from batchery.dashboard.access import ENV_TOKEN, Access, check_token, is_loopback
+from batchery.dashboard.state import SAMPLE_S, Board, Options
 
 DEFAULT_HOST = "127.0.0.1"   # only this machine: binding elsewhere is a decision, with a token
 DEFAULT_PORT = 8480
@@ -35,17 +37,19 @@ def check_port_free(host: str, port: int) -> None:
 
 
 @click.command("dashboard")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, envvar="BATCHERY_DASHBOARD_HOST",
+@click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=ENV_DASHBOARD_HOST,
               help="Address to listen on; anything but loopback needs --token.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int,
-              envvar="BATCHERY_DASHBOARD_PORT")
+              envvar=ENV_DASHBOARD_PORT)
 @click.option("--token", envvar=ENV_TOKEN, help="Needed by the buttons (retry, purge, cancel), "
               "and by every read when --host is not loopback. Default on loopback: a new "
               "one, printed in the URL at start.")
 @click.option("--show-payloads", is_flag=True, help="Show dead letters' inputs (users' data: "
               "hidden unless asked for).")
-@click.option("--interval", type=FINITE, default=2.0, show_default=True,
+@click.option("--interval", type=FINITE, default=SAMPLE_S, show_default=True,
               help="Seconds between refreshes of the page and samples of the depth chart.")
+@jobs_queue_option
+@redis_options
 def dashboard(host: str, port: int, token: str | None, show_payloads: bool, interval: float,
               jobs_queue: str, redis_url: str | None, cluster: bool) -> None:
     """A web page of queues, workers, dead letters and offline jobs, refreshing itself."""
@@ -55,7 +59,6 @@ def dashboard(host: str, port: int, token: str | None, show_payloads: bool, inte
     except ImportError as exc:
         raise ConfigError(f"the dashboard needs its extra ({exc.name} is missing): "
                           "pip install 'batchery[dashboard]'") from None
-    from batchery.dashboard.state import Board, Options
     if not 0.2 <= interval <= 3600:
         raise ConfigError(f"--interval must be 0.2..3600 seconds, got {interval}")
     token, made_up = check_token(host, token)
@@ -76,8 +79,3 @@ def dashboard(host: str, port: int, token: str | None, show_payloads: bool, inte
     finally:
         board.close()
 
-
-def register(group: click.Group) -> None:
-    from batchery.cli import redis_options
-    from batchery.producer.jobs_cli import jobs_queue_option
-    group.add_command(redis_options(jobs_queue_option(dashboard)))

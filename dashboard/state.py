@@ -16,11 +16,11 @@ from typing import Any
 
 import redis
 
-from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue, queue_names
+from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
-from batchery.producer import jobs
+from batchery.producer.jobs import bookkeeping as jobs
 
 HISTORY_S = 15 * 60      # the depth chart's window: long enough to see a trend at night
 SAMPLE_S = 2.0           # one depth sample per queue this often
@@ -97,17 +97,17 @@ class Board:
         return RequestQueue(self.client, name)
 
     def queue_names(self) -> list[str]:
-        return queue_names(self.client)
+        return RequestQueue.known_queues(self.client)
 
     def sample(self) -> dict[str, dict[str, Any]]:
-        """Every queue's `batchery stats` numbers, recorded in the history."""
+        """Every queue's `batchery queue stats` numbers, recorded in the history."""
         stats = {name: self.queue(name).stats() for name in self.queue_names()}
         for name, s in stats.items():
             self.history.add(name, s)
         return stats
 
     def state(self) -> dict[str, Any]:
-        """Everything the page shows; ``queues`` holds `batchery stats --json`'s numbers."""
+        """Everything the page shows; ``queues`` holds `batchery queue stats --json`'s numbers."""
         stats = {name: self.queue(name).stats() for name in self.queue_names()}
         queues = {name: self._queue_view(name, s) for name, s in stats.items()}
         workers = [w for view in queues.values() for w in view.pop("worker_list")]

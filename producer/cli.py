@@ -1,4 +1,4 @@
-"""Producers' commands: ``batchery enqueue`` (and the offline job commands)."""
+"""Producers' commands: ``batchery enqueue``, and ``batchery request get|cancel``."""
 
 from __future__ import annotations
 
@@ -7,30 +7,36 @@ from typing import Any
 
 import click
 
-from batchery.errors import InvalidRequest, NotOk
-from batchery.params import FINITE
+from batchery.batching.messages import Request, parse_priority
+from batchery.batching.queue import RequestQueue
+from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
+                                 queue_option, redis_options)
+from batchery.errors import InvalidRequest, NotOk, RequestNotFound
 from batchery.producer.client import Client
-from batchery.batching.messages import parse_priority
 
 
 @click.command("enqueue")
 @click.option("--text", "texts", multiple=True, help="A text input (repeatable).")
 @click.option("--input", "inputs", multiple=True, metavar="JSON",
               help="A JSON input, e.g. '{\"text\": \"hi\"}' (repeatable).")
-@click.option("--priority", "-p", default="normal", show_default=True,
+@click.option("--priority", "-p", default=default_of(Request, "priority"), show_default=True,
               help="realtime, normal, batch, or a delay in seconds.")
 @click.option("--deadline", type=FINITE, help="Seconds from now after which it is not run.")
-@click.option("--id", "request_id", help="Request id (one input only); enqueue is idempotent by id.")
+@click.option("--id", "request_id", allow_from_autoenv=False,
+              help="Request id (one input only); enqueue is idempotent by id.")
 @click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines "
               "(exit 7 if one is not ok).")
 @click.option("--stream", is_flag=True, help="Generation (one input): print its text as it "
               "is generated, then its result as JSON on stderr.")
 @click.option("--timeout", type=FINITE, default=60.0, show_default=True,
               help="With --wait: for each result; with --stream: for each piece of text.")
+@json_option
+@queue_option
+@redis_options
 def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
             deadline: float | None, request_id: str | None, wait: bool, stream: bool,
-            timeout: float, queue: str, redis_url: str, cluster: bool) -> None:
-    """Queue requests; print their ids, or with --wait their results."""
+            timeout: float, as_json: bool, queue: str, redis_url: str, cluster: bool) -> None:
+    """Queue requests; print their ids, or with --wait their results (JSON lines)."""
     values: list[Any] = list(texts)
     for i, raw in enumerate(inputs, 1):
         try:
@@ -42,6 +48,9 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
         raise click.UsageError("give at least one --text or --input")
     if request_id is not None and len(values) > 1:
         raise click.UsageError("--id names one request: give one input with it")
+    if stream and as_json:
+        raise click.UsageError("--stream prints text as it comes, and its result as JSON on "
+                               "stderr: drop --json (or use --wait for JSON results)")
     if stream:
         values = [_streamed(values)]
     with Client(redis_url, queue, cluster=cluster) as client:
@@ -50,8 +59,10 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
                                       reply=wait or stream)
         if stream:
             raise SystemExit(_print_stream(handles[0], timeout))
+        if as_json and not wait:
+            print_json({"ids": [handle.id for handle in handles]})
         for handle in handles:
-            if not wait:
+            if not wait and not as_json:
                 click.echo(handle.id)
         if wait:
             results = [handle.result(timeout=timeout) for handle in handles]
@@ -90,8 +101,50 @@ def _print_stream(handle: Any, timeout: float) -> int:
     return 1
 
 
-def register(group: click.Group) -> None:
-    from batchery.cli import queue_option, redis_options
-    from batchery.producer import jobs_cli
-    group.add_command(queue_option(redis_options(enqueue)))
-    jobs_cli.register(group)
+
+# -- one request ----------------------------------------------------------------------------
+@click.group("request")
+def request_group() -> None:
+    """One request by id: its result, or cancel it."""
+
+
+@request_group.command("get")
+@click.argument("request_id")
+@json_option
+@queue_option
+@redis_options
+def request_get(request_id: str, as_json: bool, queue: str, redis_url: str | None,
+                cluster: bool) -> None:
+    """Print the request's result as JSON (status "pending" while queued or running);
+    --json changes nothing here, for scripts that pass it everywhere."""
+    found = RequestQueue(connect(redis_url, cluster), queue).lookup([request_id])[0]
+    if found is False:
+        raise RequestNotFound(f"queue {queue!r} holds no request {request_id!r}: never "
+                              "enqueued, or its result expired or was delivered and deleted")
+    click.echo(found.to_json() if found is not True
+               else json.dumps({"id": request_id, "status": "pending"}))
+
+
+CANCEL_OUTCOMES = {1: "cancelled while queued", 2: "cancelled while running (its output is "
+                   "discarded)", 3: "cancelled already",
+                   0: "not cancelled: it had finished, or is unknown"}
+CANCEL_NAMES = {1: "cancelled_queued", 2: "cancelled_running", 3: "cancelled_already",
+                0: "not_cancelled"}
+
+
+@request_group.command("cancel")
+@click.argument("request_ids", nargs=-1, required=True)
+@json_option
+@queue_option
+@redis_options
+def request_cancel(request_ids: tuple[str, ...], as_json: bool, queue: str,
+                   redis_url: str | None, cluster: bool) -> None:
+    """Cancel requests; exits 7 when one could not be (finished already, or unknown)."""
+    flags = RequestQueue(connect(redis_url, cluster), queue).cancel(list(request_ids))
+    if as_json:
+        print_json({request_id: CANCEL_NAMES[flag] for request_id, flag in zip(request_ids, flags)})
+    else:
+        for request_id, flag in zip(request_ids, flags):
+            click.echo(f"{request_id}: {CANCEL_OUTCOMES[flag]}")
+    if not all(flags):
+        raise NotOk(f"{flags.count(0)} of {len(flags)} request(s) could not be cancelled")

@@ -5,7 +5,7 @@ bulk and resolves the futures of the handles waiting on them. A result nobody wa
 for any more (its handle was dropped) is not kept: it stays readable under its key.
 The ids of results that reached a waiter are handed to ``on_delivered`` (the client
 deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
-stay for ``batchery dead list``.
+stay for ``batchery queue dead list``.
 """
 
 from __future__ import annotations

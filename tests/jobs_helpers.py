@@ -30,8 +30,8 @@ def requests(n: int, prefix: str = "r") -> list[dict[str, Any]]:
 
 def start_jobs_worker(redis_url: str | None, jobs_queue: str, *args: str,
                       log: Path | None = None) -> subprocess.Popen:
-    """A real `batchery jobs-worker` process (1 s heartbeats: a killed one is noticed in 3 s)."""
-    command = [sys.executable, "-m", "batchery", "jobs-worker", "--jobs-queue", jobs_queue,
+    """A real `batchery job worker` process (1 s heartbeats: a killed one is noticed in 3 s)."""
+    command = [sys.executable, "-m", "batchery", "job", "worker", "--jobs-queue", jobs_queue,
                "--heartbeat", "1", *args]
     if log is None:
         return subprocess.Popen(command, cwd=ROOT, env=cli_env(redis_url),
@@ -43,7 +43,7 @@ def start_jobs_worker(redis_url: str | None, jobs_queue: str, *args: str,
 
 def submit(redis_url: str | None, jobs_queue: str, queue: str, input: Path, output: Path,
            *args: str) -> str:
-    done = run_cli("submit", str(input), "-o", str(output), "--queue", queue, "--jobs-queue",
+    done = run_cli("job", "submit", str(input), "-o", str(output), "--queue", queue, "--jobs-queue",
                    jobs_queue, *args, redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
@@ -52,7 +52,7 @@ def submit(redis_url: str | None, jobs_queue: str, queue: str, input: Path, outp
 
 
 def status(redis_url: str | None, job_id: str) -> dict[str, Any]:
-    done = run_cli("status", job_id, "--json", redis_url=redis_url)
+    done = run_cli("job", "status", job_id, "--json", redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -44,7 +44,7 @@ def test_enqueue_wait_with_a_worker_and_metrics(redis_url: str, queue_name: str,
         wait_for(lambda: scrape(port).get(("batchery_requests_total", (
             ("priority", "realtime"), ("queue", queue_name), ("status", "ok")))) == 2, 20,
             message="batchery_requests_total to count both")
-        stats = json.loads(run_cli("stats", "--json", redis_url=redis_url).stdout)
+        stats = json.loads(run_cli("queue", "stats", "--json", redis_url=redis_url).stdout)
         mine = stats["queues"][queue_name]
         assert mine["workers"] == 1 and mine["pending"] == 0 and mine["inflight"] == 0
         assert set(mine) >= {"pending", "pending_by_priority", "inflight", "dead", "workers"}
@@ -59,7 +59,7 @@ def test_a_result_timeout_exits_5_and_says_the_request_stays_queued(redis_url: s
     assert done.returncode == 5, done.stderr
     assert "no result for request 'waits' within 0.5s; it stays queued" in done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
-    stats = json.loads(run_cli("stats", "--json", redis_url=redis_url).stdout)
+    stats = json.loads(run_cli("queue", "stats", "--json", redis_url=redis_url).stdout)
     assert stats["queues"][queue_name]["pending"] == 1
 
 
@@ -69,7 +69,7 @@ def test_enqueue_without_wait_prints_ids_and_stats_counts_by_class(redis_url: st
     assert done.returncode == 0 and len(done.stdout.split()) == 2
     again = run_cli("enqueue", "-q", queue_name, "--text", "c", "--id", "mine", redis_url=redis_url)
     assert again.stdout.strip() == "mine"
-    table = run_cli("stats", redis_url=redis_url).stdout
+    table = run_cli("queue", "stats", redis_url=redis_url).stdout
     assert queue_name in table and "batch=2 normal=1" in table
 
 
@@ -81,7 +81,7 @@ def test_enqueue_without_wait_prints_ids_and_stats_counts_by_class(redis_url: st
     (["queue", "config", "Q", "--class-delay", "batch"], 2, "expected CLASS=SECONDS"),
     (["queue", "config", "Q", "--max-attempts", "0"], 2, "max_attempts must be a number from 1"),
     (["queue", "config", "bad name!"], 2, "queue name 'bad name!' is not valid"),
-    (["dead", "retry"], 2, "name the request ids, or pass --all"),
+    (["queue", "dead", "retry"], 2, "name the request ids, or pass --all"),
     (["worker", "--task", "embed"], 2, "needs --model"),
     (["worker", "--runner", "tests.runners:nothing"], 2, "cannot load it"),
     (["worker", "--runner", "x:y", "--max-batch-size", "0"], 2, "--max-batch-size must be"),
@@ -119,17 +119,17 @@ def test_dead_letters_list_retry_purge(redis_url: str, queue_name: str, tmp_path
         assert bad["status"] == "dead" and bad["error"]["message"] == (
             "cannot process 'bad' (attempt 1: RuntimeError: cannot process 'bad')")
         assert good["status"] == "ok"
-        listed = run_cli("dead", "list", "-q", queue_name, redis_url=redis_url).stdout
+        listed = run_cli("queue", "dead", "list", "-q", queue_name, redis_url=redis_url).stdout
         assert bad["id"] in listed and "RuntimeError: cannot process 'bad'" in listed
-        retried = run_cli("dead", "retry", "-q", queue_name, bad["id"], redis_url=redis_url)
+        retried = run_cli("queue", "dead", "retry", "-q", queue_name, bad["id"], redis_url=redis_url)
         assert "1 request(s) back" in retried.stdout
-        wait_for(lambda: "attempts=1" in run_cli("dead", "list", "-q", queue_name,
+        wait_for(lambda: "attempts=1" in run_cli("queue", "dead", "list", "-q", queue_name,
                                                    redis_url=redis_url).stdout, 30)
     finally:
         stop_process(worker)
-    purged = run_cli("dead", "purge", "-q", queue_name, "--all", redis_url=redis_url)
+    purged = run_cli("queue", "dead", "purge", "-q", queue_name, "--all", redis_url=redis_url)
     assert "1 dead request(s) purged" in purged.stdout
-    assert json.loads(run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url).stdout
+    assert json.loads(run_cli("queue", "stats", "--json", "-q", queue_name, redis_url=redis_url).stdout
                       )["queues"][queue_name]["dead"] == 0
 
 
@@ -140,7 +140,7 @@ def test_one_request_by_id_and_pausing_a_queue(redis_url: str, queue_name: str,
     try:
         paused = run_cli("queue", "pause", queue_name, redis_url=redis_url)
         assert paused.returncode == 0, paused.stderr
-        stats = run_cli("stats", "-q", queue_name, redis_url=redis_url).stdout
+        stats = run_cli("queue", "stats", "-q", queue_name, redis_url=redis_url).stdout
         assert "(paused)" in stats
         request_id = run_cli("enqueue", "-q", queue_name, "--text", "hi", "--id", "r1",
                              redis_url=redis_url).stdout.strip()
@@ -167,7 +167,7 @@ def test_one_request_by_id_and_pausing_a_queue(redis_url: str, queue_name: str,
 
 def test_stats_watch_prints_until_interrupted(redis_url: str, queue_name: str) -> None:
     run_cli("enqueue", "-q", queue_name, "--text", "x", redis_url=redis_url)
-    with subprocess.Popen([sys.executable, "-m", "batchery", "stats", "-q", queue_name,
+    with subprocess.Popen([sys.executable, "-m", "batchery", "queue", "stats", "-q", queue_name,
                            "--watch", "0.2"], cwd=ROOT, env=cli_env(redis_url),
                           stdout=subprocess.PIPE, text=True) as proc:
         try:
@@ -180,11 +180,11 @@ def test_stats_watch_prints_until_interrupted(redis_url: str, queue_name: str) -
 
 
 def test_redis_url_from_redis_url_and_none_in_a_pod(redis_url: str, queue_name: str) -> None:
-    heroku = run_cli("stats", "-q", queue_name, REDIS_URL=redis_url)  # no BATCHERY_REDIS_URL
+    heroku = run_cli("queue", "stats", "-q", queue_name, REDIS_URL=redis_url)  # no BATCHERY_REDIS_URL
     assert heroku.returncode == 0 and queue_name in heroku.stdout
-    pod = run_cli("stats", KUBERNETES_SERVICE_HOST="10.0.0.1")
+    pod = run_cli("queue", "stats", KUBERNETES_SERVICE_HOST="10.0.0.1")
     assert pod.returncode == 2 and "no Redis URL: set BATCHERY_REDIS_URL" in pod.stderr
-    image = run_cli("stats", BATCHERY_NO_EMBEDDED="1", BATCHERY_REDIS_URL="")
+    image = run_cli("queue", "stats", BATCHERY_NO_EMBEDDED="1", BATCHERY_REDIS_URL="")
     assert image.returncode == 2 and "--redis-url embedded" in image.stderr
 
 

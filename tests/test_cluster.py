@@ -73,7 +73,7 @@ def test_queues_work_across_a_cluster(cluster: list[RedisServer], tmp_path: Path
             with Client(cluster_url, queue, cluster=True) as client:
                 results = client.map([f"{queue} {i}" for i in range(50)], timeout=60)
                 assert [r.output["echo"] for r in results] == [f"{queue} {i}" for i in range(50)]
-        stats = run_cli("stats", "--cluster", "--json", redis_url=cluster_url)
+        stats = run_cli("queue", "stats", "--cluster", "--json", redis_url=cluster_url)
         assert stats.returncode == 0, stats.stderr
         assert set(queues) <= set(json.loads(stats.stdout)["queues"])
     finally:

@@ -32,7 +32,7 @@ def test_bad_urls_are_refused_with_the_reason(url: str, message: str) -> None:
 
 def test_passwords_never_show_in_messages() -> None:
     assert redact("redis://alice:s3cret@host:6379/0") == "redis://alice:***@host:6379/0"
-    result = run_cli("stats", redis_url=f"redis://:s3cret@127.0.0.1:{free_port()}/0", timeout=120)
+    result = run_cli("queue", "stats", redis_url=f"redis://:s3cret@127.0.0.1:{free_port()}/0", timeout=120)
     assert result.returncode == 1 and "cannot reach Redis" in result.stderr
     assert "s3cret" not in result.stderr and "Traceback" not in result.stderr
 
@@ -51,7 +51,7 @@ def test_acl_user_and_password_in_the_url(queue_name: str) -> None:
                          "&*", "+@all")
     try:
         roundtrip(f"redis://alice:s3cret@127.0.0.1:{server.port}/0", queue_name)
-        denied = run_cli("stats", redis_url=f"redis://alice:wrong@127.0.0.1:{server.port}/0")
+        denied = run_cli("queue", "stats", redis_url=f"redis://alice:wrong@127.0.0.1:{server.port}/0")
         assert denied.returncode == 1 and "refused the credentials" in denied.stderr
         assert "Traceback" not in denied.stderr
     finally:

@@ -52,7 +52,7 @@ def scene(redis_url: str, rconn: redis.Redis, queue_name: str, tmp_path: Path) -
 
 
 def stats_json(redis_url: str) -> dict[str, Any]:
-    done = run_cli("stats", "--json", redis_url=redis_url)
+    done = run_cli("queue", "stats", "--json", redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["queues"]
 
@@ -183,7 +183,7 @@ def test_a_finished_job_shows_its_counts_and_a_full_bar(redis_url: str, queue_na
     job_id = submit(redis_url, jobs_queue, queue_name, source, tmp_path / "out.jsonl")
     worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
     try:
-        ran = run_cli("jobs-worker", "--burst", "--jobs-queue", jobs_queue, redis_url=redis_url)
+        ran = run_cli("job", "worker", "--burst", "--jobs-queue", jobs_queue, redis_url=redis_url)
         assert ran.returncode == 0, ran.stderr
     finally:
         stop_process(worker)

@@ -1,6 +1,6 @@
 """The dashboard in a real browser: headless Chromium (Debian's chromium and
 chromium-driver; .ci/run installs them) driven by Selenium. Its numbers match
-`batchery stats --json`, it refreshes without reloading, and its retry button works."""
+`batchery queue stats --json`, it refreshes without reloading, and its retry button works."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 
 def page_numbers(driver: webdriver.Chrome, queue: str) -> dict[str, Any] | None:
-    """The queue's row as the page shows it, in `batchery stats --json`'s shape (read in
+    """The queue's row as the page shows it, in `batchery queue stats --json`'s shape (read in
     one script: the page swaps its content at every poll)."""
     cells = driver.execute_script(
         "const row = document.querySelector(`tr[data-queue='${arguments[0]}']`);"
@@ -79,7 +79,7 @@ def click(driver: webdriver.Chrome, selector: str) -> bool:
 
 
 def stats_json(redis_url: str, queue: str) -> dict[str, Any]:
-    done = run_cli("stats", "--json", "--queue", queue, redis_url=redis_url)
+    done = run_cli("queue", "stats", "--json", "--queue", queue, redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stdout)["queues"][queue]
     return {k: stats[k] for k in ("pending", "inflight", "dead", "workers", "pending_by_priority")}

@@ -27,6 +27,7 @@ from batchery.batching.keys import Keys
 from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from batchery.cli import cli
+from batchery.cli_shared import env_names, walk
 from batchery.workers import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +43,8 @@ TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped seri
 
 
 # -- batchery's command line, as click sees it ----------------------------------------------
-def _walk(command: click.Command) -> Iterator[click.Command]:
-    yield command
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            yield from _walk(sub)
-
-
-BATCHERY_ENV = ({e for c in _walk(cli) for p in c.params if p.envvar
-                 for e in ([p.envvar] if isinstance(p.envvar, str) else p.envvar)}
-                | {v for k, v in vars(config).items() if k.startswith("ENV_")})
+BATCHERY_ENV = ({e for _, c in walk(cli) for p in c.params for e in env_names(p)}
+                | {v for k, v in vars(config).items() if k.startswith("ENV_") and k != "ENV_PREFIX"})
 
 
 def parse(argv: list[str], where: str, loose: bool = False) -> click.Context:
@@ -264,8 +257,9 @@ def test_deployments_select_their_pods() -> None:
         want = d["spec"]["selector"]["matchLabels"].items()
         assert want <= d["spec"]["template"]["metadata"]["labels"].items(), name
         assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True, name
-    assert {"worker", "jobs-worker"} <= {container_argv(c)[1] for d in deployments().values()
-                                         for c in containers(d)}
+    argvs = [container_argv(c) for d in deployments().values() for c in containers(d)]
+    assert any(a[1:2] == ["worker"] for a in argvs) and any(a[1:3] == ["job", "worker"]
+                                                          for a in argvs)
 
 
 def test_manifest_command_lines_parse(check: Any) -> None:
@@ -470,7 +464,7 @@ def test_procfile_runs_redis_worker_and_jobs(check: Any) -> None:
             if argv and argv[0] == "batchery":
                 commands[name] = check(argv, f"Procfile {name}")
     assert commands["worker"].command.name == "worker"
-    assert commands["jobs"].command.name == "jobs-worker"
+    assert commands["jobs"].command_path == "batchery job worker"
     assert "${PORT:-" in procs["worker"], "honcho -c worker=2 gives each copy its own $PORT"
     for name, ctx in commands.items():
         url = urls[name]
@@ -516,7 +510,7 @@ def test_compose_fleet_runs_batchery_against_its_redis_and_scrapes_it(check: Any
         assert env[config.ENV_REDIS_URL].startswith("redis://redis:"), name
         commands[name] = check([*entry, *service["command"]], f"compose {name}", env)
     assert commands["worker"].command.name == "worker"
-    assert commands["jobs"].command.name == "jobs-worker"
+    assert commands["jobs"].command_path == "batchery job worker"
     port = commands["worker"].params["metrics_port"]
     scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
     assert any(sd["port"] == port and sd["names"] == ["worker"]

@@ -79,11 +79,11 @@ def test_dead_purge_and_retry_of_id_star_touch_that_id_only(queue: RequestQueue,
     queue.enqueue([Request(id=i, input=i) for i in ("*", "a", "b")], "c")
     assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2, 2]
     name = queue.name
-    assert "1 request(s) back" in run_cli("dead", "retry", "*", "--queue", name,
+    assert "1 request(s) back" in run_cli("queue", "dead", "retry", "*", "--queue", name,
                                           redis_url=redis_url).stdout
     assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
     assert fail_all(queue, queue.claim("w#2", 10, 10_000, 0, 10).batch) == [2]
-    assert "1 dead request(s) purged" in run_cli("dead", "purge", "*", "--queue", name,
+    assert "1 dead request(s) purged" in run_cli("queue", "dead", "purge", "*", "--queue", name,
                                                  redis_url=redis_url).stdout
     assert queue.client.zrange(queue.keys.dead, 0, -1) == ["a", "b"]
     assert queue.revive(["a"]) == 1 and queue.purge(["b"]) == 1

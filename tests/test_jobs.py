@@ -44,7 +44,7 @@ def test_job_writes_one_line_per_valid_line_and_errors_file(
     jobs_worker = start_jobs_worker(redis_url, jobs_queue)
     try:
         job = submit(redis_url, jobs_queue, queue_name, source, output, "--max-in-flight", "40")
-        watched = run_cli("status", job, "--watch", redis_url=redis_url)
+        watched = run_cli("job", "status", job, "--watch", redis_url=redis_url)
         assert watched.returncode == 0, watched.stderr
         assert f"job {job}: finished" in watched.stdout
         assert "100%" in watched.stderr  # the progress bar
@@ -73,12 +73,19 @@ def test_job_writes_one_line_per_valid_line_and_errors_file(
     view = status(redis_url, job)
     assert (view["state"], view["total"], view["ok"], view["error"], view["invalid"],
             view["pending"]) == ("finished", 159, 152, 7, 7, 0)
-    shown = run_cli("results", job, redis_url=redis_url)
+    shown = run_cli("job", "results", job, redis_url=redis_url)
     assert [json.loads(x) for x in shown.stdout.splitlines()] == results
-    assert run_cli("results", job, "--path", redis_url=redis_url).stdout.strip() == str(output)
-    assert len(run_cli("results", job, "--errors", redis_url=redis_url).stdout.splitlines()) == 7
-    listed = run_cli("status", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
+    assert run_cli("job", "results", job, "--path", redis_url=redis_url).stdout.strip() == str(output)
+    assert len(run_cli("job", "results", job, "--errors", redis_url=redis_url).stdout.splitlines()) == 7
+    where = run_cli("job", "results", job, "--path", "--json", redis_url=redis_url).stdout
+    assert json.loads(where) == {"path": str(output), "state": "finished"}
+    listed = run_cli("job", "list", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
     assert job in listed and "finished" in listed
+    [row] = json.loads(run_cli("job", "list", "--jobs-queue", jobs_queue, "--json",
+                               redis_url=redis_url).stdout)["jobs"]
+    assert (row["id"], row["state"], row["ok"], row["error"]) == (job, "finished", 152, 7)
+    assert run_cli("job", "status", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout == \
+        run_cli("job", "list", "--jobs-queue", jobs_queue, redis_url=redis_url).stdout
 
 
 def test_job_waits_out_a_full_queue(redis_url: str, queue_name: str, jobs_queue: str,
@@ -114,7 +121,7 @@ def test_job_is_a_plain_rq_job(redis_url: str, queue_name: str, jobs_queue: str,
     for path in gone.iterdir():  # the job cannot open its output: it fails, RQ retries it once
         path.unlink()
     gone.rmdir()
-    run = run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
+    run = run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
     assert run.returncode == 0, run.stderr
     view = status(redis_url, job)
     assert view["state"] == "failed" and view["retries_left"] == 0
@@ -126,7 +133,7 @@ def test_job_is_a_plain_rq_job(redis_url: str, queue_name: str, jobs_queue: str,
     assert requeued.returncode == 0, requeued.stderr
     worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
     try:
-        assert run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst",
+        assert run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst",
                        redis_url=redis_url).returncode == 0
     finally:
         stop_process(worker)
@@ -208,7 +215,7 @@ def test_sigterm_hands_a_running_job_back(redis_url: str, queue_name: str, jobs_
         gate.unlink()
         view = status(redis_url, job)
         assert view["state"] == "queued" and view["pending"] > 0 and view["retries_left"] == 3
-        assert run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst",
+        assert run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst",
                        redis_url=redis_url).returncode == 0
     finally:
         stop_process(first)
@@ -231,7 +238,7 @@ def test_cancel_running_job_removes_its_queued_requests(
         job = submit(redis_url, jobs_queue, queue_name, source, output, "--max-in-flight", "300")
         wait_for(gate.exists, 60, message="the model to pause")
         wait_done_at_least(redis_url, job, 40)
-        done = run_cli("cancel", job, redis_url=redis_url)
+        done = run_cli("job", "cancel", job, redis_url=redis_url)
         gate.unlink()
         assert done.returncode == 0, done.stderr
         assert f"job {job} cancelled (was running)" in done.stdout
@@ -247,7 +254,7 @@ def test_cancel_running_job_removes_its_queued_requests(
     assert all(r["status"] == "ok" for r in written)  # withdrawn lines are not results
     assert 40 <= len(written) < 3000 - removed
     assert status(redis_url, job)["state"] == "cancelled"
-    again = run_cli("cancel", job, redis_url=redis_url)
+    again = run_cli("job", "cancel", job, redis_url=redis_url)
     assert again.returncode == 0 and "cancelled already" in again.stdout
     assert view["pending"] > 0
 
@@ -257,17 +264,44 @@ def test_cancel_queued_job_never_runs(redis_url: str, queue_name: str, jobs_queu
     source = write_lines(tmp_path / "in.jsonl", requests(10))
     output = tmp_path / "out.jsonl"
     job = submit(redis_url, jobs_queue, queue_name, source, output)
-    done = run_cli("cancel", job, redis_url=redis_url)
+    done = run_cli("job", "cancel", job, redis_url=redis_url)
     assert done.returncode == 0 and "was queued" in done.stdout
-    assert run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst",
+    assert run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst",
                    redis_url=redis_url).returncode == 0
     assert status(redis_url, job)["state"] == "cancelled"
     assert output.read_text() == ""
     assert _stats(redis_url, queue_name)["pending"] == 0
+    again = run_cli("job", "cancel", job, "--json", redis_url=redis_url)
+    assert json.loads(again.stdout) == {"id": job, "was": "cancelled", "removed": 0,
+                                        "cancelled": False}
+
+
+def test_a_job_queued_under_the_former_function_path_still_runs(
+        redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs queued before producer/jobs/ name batchery.producer.jobrun.run_job."""
+    from batchery.connection import RedisSettings
+    from batchery.producer.jobs import bookkeeping
+    [former] = bookkeeping.FORMER_JOB_FUNCS
+    monkeypatch.setattr(bookkeeping, "JOB_FUNC", former)  # submit as an older batchery did
+    conn = RedisSettings.from_url(redis_url).binary_client()
+    output = tmp_path / "out.jsonl"
+    job = bookkeeping.submit(conn, str(write_lines(tmp_path / "in.jsonl", requests(5))),
+                             str(output), queue=queue_name, jobs_queue=jobs_queue)
+    assert job.func_name == former
+    monkeypatch.undo()
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
+    try:
+        ran = run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
+    finally:
+        stop_process(worker)
+    assert ran.returncode == 0, ran.stderr
+    assert status(redis_url, job.id)["state"] == "finished"
+    assert len(read_jsonl(output)) == 5
 
 
 def _stats(redis_url: str, queue: str) -> dict:
-    done = run_cli("stats", "--queue", queue, "--json", redis_url=redis_url)
+    done = run_cli("queue", "stats", "--queue", queue, "--json", redis_url=redis_url)
     return json.loads(done.stdout)["queues"][queue]
 
 
@@ -285,16 +319,16 @@ def test_submit_refuses_unusable_files_with_exit_2(redis_url: str, queue_name: s
              ((str(good), "-o", str(tmp_path / "o3.jsonl"), "--priority", "someday"),
               "unknown priority class 'someday'")]
     for args, message in cases:
-        done = run_cli("submit", *args, "--queue", queue_name, "--jobs-queue", jobs_queue,
+        done = run_cli("job", "submit", *args, "--queue", queue_name, "--jobs-queue", jobs_queue,
                        redis_url=redis_url)
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert done.stdout == ""
     assert (tmp_path / "taken.jsonl").read_text() == "old results\n"
     assert not (tmp_path / "o3.jsonl").exists()
-    listed = run_cli("status", "--jobs-queue", jobs_queue, "--json", redis_url=redis_url)
+    listed = run_cli("job", "list", "--jobs-queue", jobs_queue, "--json", redis_url=redis_url)
     assert json.loads(listed.stdout) == {"jobs": []}
-    unknown = run_cli("status", "0123456789ab", redis_url=redis_url)
+    unknown = run_cli("job", "status", "0123456789ab", redis_url=redis_url)
     assert unknown.returncode == 4 and "no offline job" in unknown.stderr
 
 

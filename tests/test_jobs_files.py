@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from batchery.batching.messages import Result
 from batchery.batching.settings import QueueSettings
-from batchery.producer.jobfile import (IdSet, Invalid, JobFiles, Line, LineParser, LineSet,
+from batchery.producer.jobs.files import (IdSet, Invalid, JobFiles, Line, LineParser, LineSet,
                                        errors_path, read_lines, recover)
 
 SETTINGS = QueueSettings(max_request_bytes=100)

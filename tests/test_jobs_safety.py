@@ -28,7 +28,7 @@ def test_the_jobs_worker_refuses_any_other_function(redis_url: str, jobs_queue: 
     conn = redis.Redis.from_url(redis_url)
     job = Queue(jobs_queue, connection=conn, serializer=JSONSerializer).enqueue(
         "os.makedirs", str(target), retry=Retry(max=2))
-    done = run_cli("jobs-worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
+    done = run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     assert not target.exists()
     job = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
@@ -53,12 +53,12 @@ def test_a_job_deleted_while_running_ends_as_a_cancel(redis_url: str, queue_name
         Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()  # what the dashboard does
         wait_for(lambda: "was deleted while running" in log.read_text(), 30,
                  message="the jobs worker to finish the deleted job")
-        gone = run_cli("status", job_id, redis_url=redis_url)
+        gone = run_cli("job", "status", job_id, redis_url=redis_url)
         assert gone.returncode == 4 and "it was deleted" in gone.stderr, gone.stderr
         assert not conn.exists(Job.key_for(job_id))  # no leftover of RQ's heartbeat
         queue = Queue(jobs_queue, connection=conn, serializer=JSONSerializer)
         assert queue.count == 0 and queue.failed_job_registry.count == 0  # no retry, no failure
-        stats = json.loads(run_cli("stats", "-q", queue_name, "--json", redis_url=redis_url).stdout)
+        stats = json.loads(run_cli("queue", "stats", "-q", queue_name, "--json", redis_url=redis_url).stdout)
         assert stats["queues"][queue_name]["pending"] == 0  # its requests were withdrawn
     finally:
         stop_process(jobs_worker)

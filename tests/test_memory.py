@@ -162,7 +162,7 @@ def test_an_offline_jobs_results_leave_redis_once_written(redis_url: str, queue_
                           log=tmp_path / "worker.log")
     try:
         job = submit(redis_url, f"jobs-{queue_name}", queue_name, source, output)
-        done = run_cli("jobs-worker", "--jobs-queue", f"jobs-{queue_name}", "--burst",
+        done = run_cli("job", "worker", "--jobs-queue", f"jobs-{queue_name}", "--burst",
                        redis_url=redis_url)
         assert done.returncode == 0, done.stderr
     finally:

@@ -157,7 +157,7 @@ def test_a_dead_letter_keeps_the_runner_error_and_says_how_each_attempt_ended(
     assert result.error == {"type": "RuntimeError", "message": (
         "flaky failed on run 2 (attempt 1: RuntimeError: flaky failed on run 1; attempt 2: "
         "RuntimeError: flaky failed on run 2; attempt 3: lease expired, the worker died or hung)")}
-    listed = run_cli("dead", "list", "-q", queue_name, redis_url=redis_url).stdout
+    listed = run_cli("queue", "dead", "list", "-q", queue_name, redis_url=redis_url).stdout
     assert listed == f"{handle.id}\tattempts=3\tRuntimeError: {result.error['message']}\n"
 
 

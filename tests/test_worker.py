@@ -132,7 +132,7 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
                    if line.startswith(name) and not line.startswith("#"))
 
     def live_workers() -> int:
-        stats = json.loads(run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url).stdout)
+        stats = json.loads(run_cli("queue", "stats", "--json", "-q", queue_name, redis_url=redis_url).stdout)
         return stats["queues"][queue_name]["workers"]
     def children() -> set[int]:
         path = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")

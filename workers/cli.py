@@ -10,8 +10,12 @@ from pathlib import Path
 
 import click
 
+from batchery.cli_shared import default_of, queue_option, redis_options
+from batchery.config import ENV_TORCH_THREADS
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
+from batchery.workers.options import DEFAULT_LOOKAHEAD, WorkerOptions
+from batchery.workers.runners import TASKS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
@@ -20,38 +24,44 @@ log = logging.getLogger(__name__)
 
 
 @click.command("worker")
-@click.option("--task", type=click.Choice(["embed", "classify", "generate"]),
+@click.option("--task", type=click.Choice(TASKS),
               help="Built-in task over a Hugging Face model.")
 @click.option("--model", help="Model directory, a hub id in the local cache, or minilm.")
 @click.option("--runner", metavar="MODULE:FACTORY", help="Your own model: factory() returns "
               "a callable over a list of inputs.")
-@click.option("--device", default="auto", show_default=True, envvar="BATCHERY_DEVICE",
+@click.option("--device", default="auto", show_default=True,
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
 @click.option("--max-batch-size", type=int, help="Largest batch claimed (--task generate: "
               "sequences in flight; default: timed at start, the smallest size within 5% of the "
-              "model's best throughput; 64 for --runner and --task generate).")
-@click.option("--max-batch-tokens", default=8192, show_default=True, type=int,
+              f"model's best throughput; {default_of(WorkerOptions, 'max_batch_size')} for --runner and "
+              "--task generate).")
+@click.option("--max-batch-tokens", default=default_of(WorkerOptions, "max_batch_tokens"),
+              show_default=True, type=int,
               help="Padded tokens per batch (longest x size); with --task generate, the KV "
               "cache budget: prompt plus max_new_tokens summed over the sequences in flight.")
-@click.option("--max-wait-ms", default=10, show_default=True, type=int,
+@click.option("--max-wait-ms", default=default_of(WorkerOptions, "max_wait_ms"),
+              show_default=True, type=int,
               help="How long a partial batch waits for more requests.")
-@click.option("--lookahead", default=0, type=int,
-              help="Candidates a claim picks similar lengths from (default 1024, or 4 x max "
+@click.option("--lookahead", default=default_of(WorkerOptions, "lookahead"), type=int,
+              help="Candidates a claim picks similar lengths from (default "
+              f"{DEFAULT_LOOKAHEAD}, or 4 x max "
               "batch size if more).")
-@click.option("--metrics-port", type=int, envvar="BATCHERY_METRICS_PORT",
+@click.option("--metrics-port", type=int,
               help="Serve Prometheus metrics here (with --concurrency: every process's, added up).")
 @click.option("--concurrency", default=1, show_default=True, type=int,
               help="Worker processes, each with its own model.")
 @click.option("--parallel-batches", type=int,
               help="Batches run at once in each process, one thread each, sharing one copy "
               "of the model (default: one per core on a CPU, 1 on a GPU or with --runner).")
-@click.option("--threads", type=int, envvar="BATCHERY_TORCH_THREADS",
+@click.option("--threads", type=int, envvar=ENV_TORCH_THREADS,
               help="torch CPU threads per batch (default: cores / parallel batches).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              envvar="BATCHERY_DTYPE", help="Model weights: auto is float16 on CUDA, "
+              help="Model weights: auto is float16 on CUDA, "
               "float32 elsewhere.")
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
 @click.option("--allow-download", is_flag=True, help="Let --model fetch from the hub.")
+@queue_option
+@redis_options
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
            max_batch_size: int | None, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
            metrics_port: int | None, concurrency: int, parallel_batches: int | None,
@@ -64,7 +74,6 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     if concurrency > 1:
         from batchery.workers.supervisor import supervise
         raise SystemExit(supervise(concurrency, metrics_port, device))
-    from batchery.workers.options import WorkerOptions
     # checked before the model loads: a wrong flag fails in a second, not after a minute;
     # the sizes left to the defaults are filled in below, once the model is known
     given = {k: v for k, v in (("max_batch_size", max_batch_size),
@@ -126,10 +135,4 @@ def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
         torch.set_num_threads(threads)
-
-
-def register(group: click.Group) -> None:
-    from batchery.cli import queue_option, redis_options
-    group.add_command(queue_option(redis_options(worker)))
-
 

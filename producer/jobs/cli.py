@@ -1,4 +1,4 @@
-"""Offline job commands: submit, status, results, cancel, jobs-worker."""
+"""``batchery job``: submit, status, list, results, cancel, and the jobs worker."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 import redis
 
+from batchery.batching.messages import parse_priority
+from batchery.cli_shared import (jobs_queue_option, json_option, print_json, queue_option,
+                                 redis_options)
 from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
-from batchery.producer import jobs
-from batchery.batching.messages import parse_priority
+from batchery.producer.jobs import bookkeeping as jobs
+from batchery.producer.jobs.worker import HEARTBEAT_S, JobsWorker, worker_command
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
@@ -24,30 +27,34 @@ RESTART_CAP_S = 10.0
 TERMINAL = (jobs.FINISHED, jobs.FAILED, jobs.CANCELLED)
 
 
-def jobs_queue_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--jobs-queue", envvar=jobs.ENV_JOBS_QUEUE, default=jobs.JOBS_QUEUE,
-                        show_default=True, help="The RQ queue offline jobs wait in.")(fn)
-
-
 def _rq_conn(redis_url: str, cluster: bool) -> redis.Redis:
     return RedisSettings.from_url(redis_url, cluster=cluster).binary_client()
 
 
-@click.command("submit")
+@click.group("job")
+def job_group() -> None:
+    """Offline jobs: a JSONL file of requests in, a JSONL file of results out (on RQ)."""
+
+
+@job_group.command("submit")
 @click.argument("input_path", metavar="INPUT")
 @click.option("--output", "-o", required=True, help="Where result lines go (JSONL).")
 @click.option("--errors", help="Where invalid lines go [default: OUTPUT with .errors.jsonl].")
 @click.option("--priority", "-p", default=jobs.DEFAULT_PRIORITY, show_default=True,
               help="For lines that name none: realtime, normal, batch, or a delay in seconds.")
 @click.option("--max-in-flight", type=int, default=jobs.DEFAULT_MAX_IN_FLIGHT, show_default=True,
-              envvar="BATCHERY_MAX_IN_FLIGHT", help="Lines queued at once.")
+              help="Lines queued at once.")
 @click.option("--retries", type=int, default=jobs.DEFAULT_RETRIES, show_default=True,
               help="RQ re-runs a failed or abandoned job this often; each run resumes.")
-@click.option("--overwrite", is_flag=True, help="Replace existing output and errors files.")
+@click.option("--overwrite", is_flag=True, allow_from_autoenv=False,
+              help="Replace existing output and errors files.")
 @jobs_queue_option
+@json_option
+@queue_option
+@redis_options
 def submit(input_path: str, output: str, errors: str | None, priority: str, max_in_flight: int,
-           retries: int, overwrite: bool, jobs_queue: str, queue: str, redis_url: str,
-           cluster: bool) -> None:
+           retries: int, overwrite: bool, jobs_queue: str, as_json: bool, queue: str,
+           redis_url: str, cluster: bool) -> None:
     """Run a JSONL file of requests as an offline job; prints the job id.
 
     Each line is an object: custom_id (or id), input, and optionally priority,
@@ -60,14 +67,18 @@ def submit(input_path: str, output: str, errors: str | None, priority: str, max_
                       max_in_flight=max_in_flight, retries=retries, overwrite=overwrite,
                       jobs_queue=jobs_queue)
     spec = jobs.spec_of(job)
-    click.echo(job.id)
+    if as_json:
+        print_json({"id": job.id, "queue": spec.queue, "input": spec.input,
+                    "output": spec.output, "errors": spec.errors})
+    else:
+        click.echo(job.id)
     click.echo(f"job {job.id} queued: {spec.input} -> {spec.output} (invalid lines: "
                f"{spec.errors})", err=True)
     if not _workers_on(conn, jobs_queue):
-        click.echo("no jobs worker is running: start one with `batchery jobs-worker"
+        click.echo("no jobs worker is running: start one with `batchery job worker"
                    f"{'' if jobs_queue == jobs.JOBS_QUEUE else ' --jobs-queue ' + jobs_queue}` "
-                   f"(or `{jobs.worker_command(_rq_url(settings), jobs_queue)}`)", err=True)
-    click.echo(f"follow it with `batchery status {job.id} --watch`", err=True)
+                   f"(or `{worker_command(_rq_url(settings), jobs_queue)}`)", err=True)
+    click.echo(f"follow it with `batchery job status {job.id} --watch`", err=True)
 
 
 def _workers_on(conn: redis.Redis, jobs_queue: str) -> int:
@@ -79,17 +90,18 @@ def _rq_url(settings: RedisSettings) -> str:
     return redact(settings.resolved_url())
 
 
-@click.command("status")
+@job_group.command("status")
 @click.argument("job_id", metavar="[JOB]", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--watch", is_flag=True, help="A live progress bar until the job ends; exits 1 "
-              "if it failed or was cancelled.")
+@json_option
+@click.option("--watch", is_flag=True, allow_from_autoenv=False, help="A live progress bar "
+              "until the job ends; exits 7 if it failed or was cancelled.")
 @click.option("--limit", default=20, show_default=True, help="Jobs listed without JOB.")
 @jobs_queue_option
+@redis_options
 @click.pass_context
 def status(ctx: click.Context, job_id: str | None, as_json: bool, watch: bool, limit: int,
            jobs_queue: str, redis_url: str, cluster: bool) -> None:
-    """A job's state and counts (total, ok, error, pending); without JOB, recent jobs."""
+    """A job's state and counts (total, ok, error, pending); without JOB, as `job list`."""
     conn = _rq_conn(redis_url, cluster)
     if job_id is None:
         if watch:
@@ -102,13 +114,23 @@ def status(ctx: click.Context, job_id: str | None, as_json: bool, watch: bool, l
         ctx.exit(NotOk.exit_code)
 
 
+@job_group.command("list")
+@click.option("--limit", default=20, show_default=True, help="At most this many jobs.")
+@json_option
+@jobs_queue_option
+@redis_options
+def job_list(limit: int, as_json: bool, jobs_queue: str, redis_url: str, cluster: bool) -> None:
+    """The jobs the jobs queue knows, newest first, with their state and counts."""
+    _list(_rq_conn(redis_url, cluster), jobs_queue, limit, as_json)
+
+
 def _list(conn: redis.Redis, jobs_queue: str, limit: int, as_json: bool) -> None:
     views = [jobs.describe(job) for job in jobs.recent(conn, jobs_queue, limit)]
     if as_json:
-        click.echo(json.dumps({"jobs": views}, indent=2))
+        print_json({"jobs": views})
         return
     if not views:
-        click.echo(f"no offline jobs in RQ queue {jobs_queue!r}; submit one with `batchery submit`",
+        click.echo(f"no offline jobs in RQ queue {jobs_queue!r}; submit one with `batchery job submit`",
                    err=True)
         return
     click.echo(f"{'job':<14}{'state':<12}{'total':>9}{'ok':>9}{'error':>8}{'pending':>9}  "
@@ -165,16 +187,25 @@ def _watch(conn: redis.Redis, job_id: str) -> dict[str, Any]:
             view = jobs.describe(job)
 
 
-@click.command("results")
+@job_group.command("results")
 @click.argument("job_id", metavar="JOB")
-@click.option("--path", "path_only", is_flag=True, help="Print the file's path, not its lines.")
-@click.option("--errors", "errors_file", is_flag=True, help="The errors file instead.")
-def results(job_id: str, path_only: bool, errors_file: bool, redis_url: str, cluster: bool) -> None:
-    """A job's result lines (or, with --errors, its invalid lines) as written so far."""
+@click.option("--path", "path_only", is_flag=True, allow_from_autoenv=False,
+              help="Print the file's path, not its lines.")
+@click.option("--errors", "errors_file", is_flag=True, allow_from_autoenv=False,
+              help="The errors file instead.")
+@json_option
+@redis_options
+def results(job_id: str, path_only: bool, errors_file: bool, as_json: bool, redis_url: str,
+            cluster: bool) -> None:
+    """A job's result lines (or, with --errors, its invalid lines) as written so far:
+    JSON lines already; with --path --json, {"path", "state"}."""
     view = jobs.describe(jobs.fetch(_rq_conn(redis_url, cluster), job_id))
     path = Path(view["errors"] if errors_file else view["output"])
     if path_only:
-        click.echo(str(path))
+        if as_json:
+            print_json({"path": str(path), "state": view["state"]})
+        else:
+            click.echo(str(path))
         return
     if view["state"] != jobs.FINISHED:
         click.echo(f"job {job_id} is {view['state']}: these are the lines written so far",
@@ -188,29 +219,34 @@ def results(job_id: str, path_only: bool, errors_file: bool, redis_url: str, clu
     sys.stdout.flush()
 
 
-@click.command("cancel")
+@job_group.command("cancel")
 @click.argument("job_id", metavar="JOB")
-def cancel(job_id: str, redis_url: str, cluster: bool) -> None:
+@json_option
+@redis_options
+def cancel(job_id: str, as_json: bool, redis_url: str, cluster: bool) -> None:
     """Cancel a job: it stops, and its queued requests are removed."""
     before, removed = jobs.cancel(_rq_conn(redis_url, cluster), job_id)
-    if before in (jobs.FINISHED, jobs.CANCELLED):
+    if as_json:
+        print_json({"id": job_id, "was": before, "removed": removed,
+                    "cancelled": before not in (jobs.FINISHED, jobs.CANCELLED)})
+    elif before in (jobs.FINISHED, jobs.CANCELLED):
         click.echo(f"job {job_id} is {before} already; nothing to cancel")
-        return
-    click.echo(f"job {job_id} cancelled (was {before}); {removed} queued request(s) removed")
+    else:
+        click.echo(f"job {job_id} cancelled (was {before}); {removed} queued request(s) removed")
 
 
-@click.command("jobs-worker")
-@click.option("--heartbeat", type=int, default=10, show_default=True, metavar="SECONDS",
+@job_group.command("worker")
+@click.option("--heartbeat", type=int, default=HEARTBEAT_S, show_default=True, metavar="SECONDS",
               help="A running job's heartbeat; a job silent for 3 beats (its worker died) "
                    "is re-run by RQ, resuming.")
 @click.option("--burst", is_flag=True, help="Run the queued jobs, then exit.")
 @click.option("--name", help="Worker name (default: random).")
 @jobs_queue_option
+@redis_options
 def jobs_worker(heartbeat: int, burst: bool, name: str | None, jobs_queue: str, redis_url: str,
                 cluster: bool) -> None:
     """Run offline jobs (an RQ worker on the jobs queue, JSON serializer)."""
     from rq.serializers import JSONSerializer
-    from batchery.producer.jobs_worker import JobsWorker
     if heartbeat < 1:
         raise ConfigError(f"--heartbeat must be at least 1 second, got {heartbeat}")
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
@@ -230,9 +266,3 @@ def jobs_worker(heartbeat: int, burst: bool, name: str | None, jobs_queue: str, 
             time.sleep(backoff)
             backoff = min(backoff * 2, RESTART_CAP_S)
 
-
-def register(group: click.Group) -> None:
-    from batchery.cli import queue_option, redis_options
-    group.add_command(queue_option(redis_options(submit)))
-    for command in (status, results, cancel, jobs_worker):
-        group.add_command(redis_options(command))

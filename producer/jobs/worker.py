@@ -1,4 +1,4 @@
-"""The RQ worker class for offline jobs (``batchery jobs-worker``).
+"""The RQ worker class for offline jobs (``batchery job worker``).
 
 RQ's ``SimpleWorker`` (the job runs in the worker process, so killing the worker kills
 the job) with what long offline jobs need:
@@ -6,7 +6,7 @@ the job) with what long offline jobs need:
 - a heartbeat thread while a job runs, so a killed worker's job is known abandoned
   after ``3 x job_monitoring_interval`` (not RQ's 60 s + the job's whole timeout), and
   maintenance (which retries abandoned jobs) as often, also while idle;
-- a job cancelled while running (``batchery cancel``) stays cancelled in RQ when its
+- a job cancelled while running (``batchery job cancel``) stays cancelled in RQ when its
   function returns, instead of being marked finished;
 - a warm shutdown (SIGTERM) hands the running job back to the queue within a second,
   instead of waiting for a job that may run for hours;
@@ -15,7 +15,8 @@ the job) with what long offline jobs need:
 - a job deleted while running (rq-dashboard's Delete, RQ's ``job.delete()``) ends as a
   cancel: its queued requests are withdrawn, and RQ neither fails nor retries it.
 
-``rq worker --worker-class batchery.producer.jobs_worker.JobsWorker`` runs it too.
+``rq worker --worker-class batchery.producer.jobs.worker.JobsWorker`` runs it too
+(:func:`worker_command` writes the whole line).
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.worker import SimpleWorker, WorkerStatus
 
-from batchery.producer import jobrun
-from batchery.producer.jobs import JOB_FUNC
+from batchery.producer.jobs import run
+from batchery.producer.jobs.bookkeeping import FORMER_JOB_FUNCS, JOB_FUNC, JOBS_QUEUE
 
 log = logging.getLogger(__name__)
 ABANDONED_AFTER_BEATS = 3  # missed heartbeats before a job counts as abandoned
+HEARTBEAT_S = 10  # a running job's heartbeat: a dead worker's job is re-run within 30 s
 
 
 class JobsWorker(SimpleWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("job_monitoring_interval", 10)
+        kwargs.setdefault("job_monitoring_interval", HEARTBEAT_S)
         super().__init__(*args, **kwargs)
         if "maintenance_interval" not in kwargs:
             self.maintenance_interval = self.abandoned_after
@@ -56,6 +58,8 @@ class JobsWorker(SimpleWorker):
         return self.abandoned_after
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if job.func_name in FORMER_JOB_FUNCS:  # queued by an older batchery
+            job._func_name = JOB_FUNC
         if job.func_name != JOB_FUNC:
             self.refuse(job, queue)
             return
@@ -80,7 +84,7 @@ class JobsWorker(SimpleWorker):
 
     def refuse(self, job: Job, queue: Queue) -> None:
         """Fail a job that is not a batchery offline job, without importing or running it."""
-        reason = (f"refused: batchery jobs-worker runs only {JOB_FUNC}, and this job calls "
+        reason = (f"refused: batchery job worker runs only {JOB_FUNC}, and this job calls "
                   f"{job.func_name!r}; run other RQ jobs on a plain `rq worker` of their own queue")
         log.error("job %s: %s", job.id, reason)
         job.retries_left = 0
@@ -108,4 +112,11 @@ class JobsWorker(SimpleWorker):
 
     def handle_warm_shutdown_request(self) -> None:
         super().handle_warm_shutdown_request()
-        jobrun.SHUTDOWN.set()
+        run.SHUTDOWN.set()
+
+
+def worker_command(url: str, jobs_queue: str = JOBS_QUEUE) -> str:
+    """The plain `rq worker` line that runs these jobs as `batchery job worker` does."""
+    return (f"rq worker --url {url} --serializer json "
+            f"--worker-class {JobsWorker.__module__}.{JobsWorker.__qualname__} {jobs_queue}")
+

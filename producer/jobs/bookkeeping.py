@@ -2,7 +2,7 @@
 
 A job is a plain RQ job (JSON serializer, no pickle) in the RQ queue ``batchery``, so
 ``rq info`` and rq-dashboard show it and RQ's retries and failure registry apply. Its
-function (:func:`batchery.producer.jobrun.run_job`) streams the file into a request
+function (:func:`batchery.producer.jobs.run.run_job`) streams the file into a request
 queue. This module is the bookkeeping around it: submit, look up, list, cancel, and
 the lifecycle and progress read from the RQ job and its meta.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,69 +27,19 @@ from batchery.batching.keys import check_queue_name
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import text_client
 from batchery.errors import ConfigError, InvalidRequest, JobNotFound
-from batchery.producer.jobfile import errors_path
+from batchery.producer.jobs.files import errors_path
+from batchery.producer.jobs.run import run_job
+from batchery.producer.jobs.spec import (CANCELLED, DEFAULT_MAX_IN_FLIGHT, DEFAULT_PRIORITY,
+                                         DEFAULT_RETRIES, FAILED, FINALIZING, FINISHED,
+                                         JOBS_QUEUE, QUEUED, RUNNING, JobSpec, Progress)
 
-JOBS_QUEUE = "batchery"      # the RQ queue jobs wait in; `rq info` lists it
-ENV_JOBS_QUEUE = "BATCHERY_JOBS_QUEUE"
-JOB_FUNC = "batchery.producer.jobrun.run_job"
-DEFAULT_PRIORITY = "batch"   # offline work: overtaken by interactive requests, never starved
-DEFAULT_MAX_IN_FLIGHT = 2000  # lines queued at once: Redis never holds more of a job than this
-DEFAULT_RETRIES = 3          # RQ re-runs a failed or abandoned job this often; each run resumes
 RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
 WITHDRAW_SCAN = 1000
 STALE_S = 30.0               # a running job silent this long may have lost its worker
-
-# The lifecycle `batchery status` shows; the running job writes its phase into meta.
-QUEUED, RUNNING, FINALIZING = "queued", "running", "finalizing"
-FINISHED, FAILED, CANCELLED, STOPPED = "finished", "failed", "cancelled", "stopped"
-COUNTING = "counting"        # phase: the job counts the input's lines (state: running)
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a job runs: its RQ kwargs, plain JSON."""
-
-    input: str               # absolute paths: the jobs worker may run elsewhere in the tree
-    output: str
-    errors: str
-    queue: str               # the request queue its lines go to
-    priority: str | int      # for lines that name none
-    max_in_flight: int
-    input_size: int          # the input as submitted: a changed file cannot resume safely
-    input_mtime_ns: int
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> "JobSpec":
-        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__})
-
-
-@dataclass
-class Progress:
-    """A job's counts, kept in its RQ meta. error includes invalid lines."""
-
-    total: int | None = None     # request lines in the input (None until counted)
-    ok: int = 0
-    error: int = 0
-    invalid: int = 0
-    done_at_start: int = 0       # lines done before this run: the rate counts this run only
-    started_at: float = field(default_factory=time.time)
-
-    @property
-    def done(self) -> int:
-        return self.ok + self.error
-
-    @property
-    def pending(self) -> int | None:
-        return None if self.total is None else max(self.total - self.done, 0)
-
-    def rate(self) -> float:
-        elapsed = time.time() - self.started_at
-        return (self.done - self.done_at_start) / elapsed if elapsed > 0 else 0.0
-
-    def meta(self, phase: str) -> dict[str, Any]:
-        return {"phase": phase, "total": self.total, "ok": self.ok, "error": self.error,
-                "invalid": self.invalid, "pending": self.pending, "rate": round(self.rate(), 1),
-                "updated_at": time.time()}
+# The RQ job's function, by import path: what a jobs worker agrees to run.
+JOB_FUNC = f"{run_job.__module__}.{run_job.__qualname__}"
+# Where it lived before producer/jobs/: jobs queued by an older batchery still run.
+FORMER_JOB_FUNCS = ("batchery.producer.jobrun.run_job",)
 
 
 def rq_queue(conn: redis.Redis, name: str = JOBS_QUEUE) -> Queue:
@@ -178,10 +128,14 @@ def fetch(conn: redis.Redis, job_id: str) -> Job:
     except (NoSuchJobError, ValueError, TypeError):
         raise JobNotFound(f"no offline job {job_id!r}: it was deleted (e.g. from rq-dashboard, "
                           f"which cancels it) or finished over {RESULT_TTL_S // 86_400} days "
-                          "ago; `batchery status` lists recent jobs") from None
-    if job.func_name != JOB_FUNC:
+                          "ago; `batchery job list` lists recent jobs") from None
+    if not is_offline_job(job):
         raise JobNotFound(f"RQ job {job_id!r} is not a batchery offline job")
     return job
+
+
+def is_offline_job(job: Job) -> bool:
+    return job.func_name == JOB_FUNC or job.func_name in FORMER_JOB_FUNCS
 
 
 def spec_of(job: Job) -> JobSpec:
@@ -202,7 +156,7 @@ def lifecycle(status: JobStatus | str | None, phase: str | None) -> str:
 
 
 def describe(job: Job) -> dict[str, Any]:
-    """What `batchery status JOB --json` prints."""
+    """What `batchery job status JOB --json` prints."""
     meta, spec = job.get_meta(), spec_of(job)
     state = lifecycle(job.get_status(), meta.get("phase"))
     pending = meta.get("pending")
@@ -239,7 +193,7 @@ def recent(conn: redis.Redis, jobs_queue: str = JOBS_QUEUE, limit: int = 20) -> 
     ids = list(dict.fromkeys([*q.get_job_ids(),
                               *(i for r in registries for i in r.get_job_ids(cleanup=False))]))
     jobs = [j for j in Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)
-            if j is not None and j.func_name == JOB_FUNC]
+            if j is not None and is_offline_job(j)]
     jobs.sort(key=lambda j: j.created_at.timestamp() if j.created_at else 0.0, reverse=True)
     return jobs[:limit]
 
@@ -276,10 +230,4 @@ def withdraw(conn: redis.Redis, queue: str, job_id: str) -> int:
     for start in range(0, len(ids), WITHDRAW_SCAN):
         removed += sum(1 for flag in requests.cancel(ids[start:start + WITHDRAW_SCAN]) if flag)
     return removed
-
-
-def worker_command(url: str, jobs_queue: str = JOBS_QUEUE) -> str:
-    """The plain `rq worker` line that runs these jobs as `batchery jobs-worker` does."""
-    return (f"rq worker --url {url} --serializer json "
-            f"--worker-class batchery.producer.jobs_worker.JobsWorker {jobs_queue}")
 

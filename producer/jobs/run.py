@@ -30,10 +30,10 @@ from batchery.batching.queue import RequestQueue
 from batchery.connection import text_client
 from batchery.errors import InvalidRequest, QueueFull
 from batchery.producer.client import ENQUEUE_CHUNK
-from batchery.producer.jobfile import (Invalid, JobFiles, Line, LineParser, LineSet, count_lines,
-                                       line_limit, read_lines, recover)
-from batchery.producer.jobs import (CANCELLED, COUNTING, FINALIZING, FINISHED, RUNNING, STOPPED,
-                                    JobSpec, Progress)
+from batchery.producer.jobs.files import (Invalid, JobFiles, Line, LineParser, LineSet,
+                                          count_lines, line_limit, read_lines, recover)
+from batchery.producer.jobs.spec import (CANCELLED, COUNTING, FINALIZING, FINISHED, RUNNING,
+                                         STOPPED, JobSpec, Progress)
 from batchery.producer.replies import ReplyListener
 from batchery.producer.tokens import QueueCounter
 
@@ -47,7 +47,8 @@ HANDBACK_RETRIES = 1000  # a job handed back on shutdown may be handed back this
 
 # What became of a line the run tried to enqueue.
 ACCEPTED, KNOWN, FULL, REFUSED = "accepted", "known", "full", "refused"
-END = object()
+END = object()    # the input has no more lines
+PAUSE = object()  # a long stretch without a line to enqueue: time to save progress and check
 
 # Set by the jobs worker on a warm shutdown: the running job hands itself back to RQ.
 SHUTDOWN = threading.Event()
@@ -57,7 +58,7 @@ def run_job(**kwargs: Any) -> Any:
     """The RQ job function: run (or resume) the job; returns its final counts."""
     job = get_current_job()
     if job is None:
-        raise RuntimeError("run_job runs inside an RQ worker (batchery jobs-worker)")
+        raise RuntimeError("run_job runs inside an RQ worker (batchery job worker)")
     outcome = JobRun(job, JobSpec.from_kwargs(kwargs)).run()
     if outcome.get("phase") == STOPPED:
         return Retry(max=HANDBACK_RETRIES)  # back to the queue: the next run resumes
@@ -159,12 +160,13 @@ class JobRun:
     def _wait_s(self) -> float:
         return min(CHECK_S, max(self._retry_at - time.monotonic(), 0.0) or CHECK_S)
 
-    def _lines(self, parser: LineParser, written: LineSet) -> Generator[Line | None, None, None]:
-        """Valid lines not yet written; invalid ones go to the errors file. None: a pause."""
+    def _lines(self, parser: LineParser, written: LineSet) -> Generator[Line | object, None, None]:
+        """Valid lines not yet written, and PAUSE now and then; invalid ones go to the
+        errors file."""
         with open(self.spec.input, "rb") as f:
             for i, (number, raw) in enumerate(read_lines(f, line_limit(parser.settings))):
                 if i % SCAN_PAUSE == SCAN_PAUSE - 1:
-                    yield None
+                    yield PAUSE
                 line = parser.parse(number, raw, written=number in written)
                 if isinstance(line, Invalid):
                     self._invalid(line)
@@ -176,7 +178,7 @@ class JobRun:
         self.progress.error += 1
         self.progress.invalid += 1
 
-    def _fill(self, source: Iterator[Line | None]) -> bool:
+    def _fill(self, source: Iterator[Line | object]) -> bool:
         """Enqueue up to a chunk: lines a full queue refused first, then new ones.
         True once the input is exhausted."""
         room = min(ENQUEUE_CHUNK, self.spec.max_in_flight - len(self.pending))
@@ -187,7 +189,7 @@ class JobRun:
             if line is END:
                 exhausted = True
                 break
-            if line is None:
+            if line is PAUSE:
                 break
             chunk.append(line)  # type: ignore[arg-type]
         self._enqueue(chunk)
@@ -259,9 +261,9 @@ class JobRun:
             return
         self.orphans.discard(result.id)
         if result.status == CANCELLED_RESULT and self._cancelled():
-            return  # withdrawn by `batchery cancel`: the line did not run
+            return  # withdrawn by `batchery job cancel`: the line did not run
         self.files.result(line, result)
-        if result.status != DEAD_RESULT:  # dead letters stay for `batchery dead list`
+        if result.status != DEAD_RESULT:  # dead letters stay for `batchery queue dead list`
             self.written.append(result.id)
         if result.status == OK:
             self.progress.ok += 1

@@ -1,0 +1,224 @@
+"""``batchery queue``: per-queue settings, stats, pause and resume, and dead letters."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from batchery.batching.queue import RequestQueue
+from batchery.cli_shared import (FINITE, connect, json_option, print_json, queue_option,
+                                 redis_options)
+from batchery.errors import ConfigError
+
+
+@click.group("queue")
+def queue_group() -> None:
+    """Queues: settings (stored in Redis so producers and workers agree), stats,
+    pause and resume, dead letters."""
+
+
+def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, float]:
+    delays = {}
+    for value in values:
+        name, sep, seconds = value.partition("=")
+        try:
+            delays[name.strip()] = FINITE.convert(seconds, None, None)
+        except click.BadParameter:
+            sep = ""
+        if not sep:
+            raise click.BadParameter(f"{value!r}: expected CLASS=SECONDS, e.g. batch=120")
+    return delays
+
+
+def _change(*decls: str, **kwargs: Any) -> Any:
+    """A setting to change. Never from the environment: the settings live in Redis, and a
+    variable would rewrite them on every `queue config` that only meant to read them."""
+    return click.option(*decls, allow_from_autoenv=False, **kwargs)
+
+
+@queue_group.command("config")
+@click.argument("queue")
+@_change("--max-pending", type=int, help="Refuse enqueues beyond this many queued.")
+@_change("--class-delay", multiple=True, callback=_class_delays, metavar="CLASS=SECONDS",
+         help="Seconds added to a class's enqueue time (repeatable).")
+@_change("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
+@_change("--lease-seconds", type=FINITE, help="Claims not renewed this long are taken back.")
+@_change("--result-ttl", type=int, help="Seconds results stay readable.")
+@_change("--dead-ttl", type=int, help="Seconds dead letters are kept (then forgotten, and "
+         "their ids may be enqueued again).")
+@_change("--max-request-bytes", type=int, help="Larger requests are refused at enqueue.")
+@_change("--fill-from-slower/--no-fill-from-slower", default=None, help="Fill a batch led "
+         "by a faster class with slower-class requests (throughput; the default), or run it "
+         "with its own class only (its latency).")
+@_change("--memory-high-water", type=FINITE, metavar="FRACTION", help="Refuse enqueues "
+         "once Redis uses this fraction of its maxmemory (0: off).")
+@_change("--delete-delivered/--keep-delivered", default=None, help="Delete a result once "
+         "it reached the client waiting for it or a job's output file (the default), or "
+         "keep it for result_ttl.")
+@_change("--tokenizer", metavar="NAME_OR_DIR", help="Tokenizer producers count tokens "
+         "with (a hub id in their cache or a directory), set before any worker announces "
+         "its own; workers do not overwrite it.")
+@_change("--max-input-tokens", type=int, help="Length the workers' model truncates inputs "
+         "to; producers cap their counts at it.")
+@json_option
+@redis_options
+def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,
+                 cluster: bool, **changes: Any) -> None:
+    """Show QUEUE's settings, changing those given first."""
+    requests = RequestQueue(connect(redis_url, cluster), queue)
+    changes = {k: v for k, v in changes.items() if v is not None}
+    settings = requests.settings()
+    if changes or class_delay:
+        settings = requests.update_settings(
+            class_delays={**settings.class_delays, **class_delay}, **changes)
+        requests.register()
+    data = settings.__dict__
+    if as_json:
+        print_json(data)
+        return
+    for key, value in data.items():
+        click.echo(f"{key}: {value}")
+
+
+def _set_paused(queue: str, paused: bool, as_json: bool, redis_url: str | None,
+                cluster: bool) -> None:
+    RequestQueue(connect(redis_url, cluster), queue).update_settings(paused=paused)
+    if as_json:
+        print_json({"queue": queue, "paused": paused})
+    elif paused:
+        click.echo(f"queue {queue!r} paused: workers claim nothing until "
+                   f"`batchery queue resume {queue}`")
+    else:
+        click.echo(f"queue {queue!r} resumed")
+
+
+@queue_group.command("pause")
+@click.argument("queue")
+@json_option
+@redis_options
+def queue_pause(queue: str, as_json: bool, redis_url: str | None, cluster: bool) -> None:
+    """Workers stop claiming from QUEUE (running batches finish); enqueues go on."""
+    _set_paused(queue, True, as_json, redis_url, cluster)
+
+
+@queue_group.command("resume")
+@click.argument("queue")
+@json_option
+@redis_options
+def queue_resume(queue: str, as_json: bool, redis_url: str | None, cluster: bool) -> None:
+    """Workers claim from QUEUE again."""
+    _set_paused(queue, False, as_json, redis_url, cluster)
+
+
+# -- stats --------------------------------------------------------------------------------
+@queue_group.command("stats")
+@click.option("--queue", "-q", "only", allow_from_autoenv=False,
+              help="Only this queue (not from BATCHERY_QUEUE: without it, every queue).")
+@json_option
+@click.option("--watch", type=FINITE, is_flag=False, flag_value=2.0, default=None,
+              metavar="[SECONDS]", help="Print again every SECONDS (default 2) until Ctrl-C.")
+@redis_options
+def stats(only: str | None, as_json: bool, watch: float | None, redis_url: str | None,
+          cluster: bool) -> None:
+    """Pending by priority, in flight, dead letters and live workers, per queue."""
+    if watch is not None and watch <= 0:
+        raise ConfigError(f"--watch takes a positive number of seconds, got {watch}")
+    client = connect(redis_url, cluster)
+    try:
+        while True:
+            _print_stats(client, only, as_json)
+            if watch is None:
+                return
+            time.sleep(watch)
+            if not as_json:
+                click.echo()
+    except KeyboardInterrupt:  # how --watch ends
+        return
+
+
+def _print_stats(client: Any, only: str | None, as_json: bool) -> None:
+    names = [only] if only else RequestQueue.known_queues(client)
+    queues = {name: RequestQueue(client, name).stats() for name in names}
+    if as_json:
+        print_json({"queues": queues})
+        return
+    if not queues:
+        click.echo("no queues yet")
+        return
+    click.echo(f"{'queue':<20} {'pending':>9} {'inflight':>9} {'dead':>6} {'workers':>8}  by priority")
+    for name, s in queues.items():
+        by = " ".join(f"{c}={n}" for c, n in s["pending_by_priority"].items()) or "-"
+        click.echo(f"{name:<20} {s['pending']:>9} {s['inflight']:>9} {s['dead']:>6} "
+                   f"{s['workers']:>8}  {by}{'  (paused)' if s['paused'] else ''}")
+
+
+# -- dead letters -------------------------------------------------------------------------
+@queue_group.group("dead")
+def dead_group() -> None:
+    """Requests that failed max_attempts times."""
+
+
+@dead_group.command("list")
+@queue_option
+@click.option("--limit", default=100, show_default=True)
+@json_option
+@redis_options
+def dead_list(queue: str, limit: int, as_json: bool, redis_url: str, cluster: bool) -> None:
+    """Dead-lettered requests, newest first, with their last error (--json: one per line)."""
+    results = RequestQueue(connect(redis_url, cluster), queue).dead(limit)
+    for r in results:
+        if as_json:
+            click.echo(r.to_json())
+        else:
+            error = r.error or {}
+            click.echo(f"{r.id}\tattempts={r.attempts}\t{error.get('type', '?')}: "
+                       f"{error.get('message', '')}")
+    if not results and not as_json:
+        click.echo(f"no dead letters in queue {queue!r}", err=True)
+
+
+def _dead_targets(ids: tuple[str, ...], everything: bool) -> dict[str, Any]:
+    """The ids named (``*`` is an id like any other), or every one with --all."""
+    if bool(ids) == everything:
+        raise ConfigError("name the request ids, or pass --all (not both)")
+    return {"ids": list(ids), "everything": everything}
+
+
+def _all_option(fn: Any) -> Any:
+    """--all: never from the environment (a variable must not make a command destructive)."""
+    return click.option("--all", "everything", is_flag=True, allow_from_autoenv=False,
+                        help="Every dead request of the queue.")(fn)
+
+
+@dead_group.command("retry")
+@click.argument("ids", nargs=-1)
+@_all_option
+@queue_option
+@json_option
+@redis_options
+def dead_retry(ids: tuple[str, ...], everything: bool, queue: str, as_json: bool, redis_url: str,
+               cluster: bool) -> None:
+    """Send dead requests back to the queue with fresh attempts."""
+    n = RequestQueue(connect(redis_url, cluster), queue).revive(**_dead_targets(ids, everything))
+    if as_json:
+        print_json({"queue": queue, "retried": n})
+    else:
+        click.echo(f"{n} request(s) back in queue {queue!r}")
+
+
+@dead_group.command("purge")
+@click.argument("ids", nargs=-1)
+@_all_option
+@queue_option
+@json_option
+@redis_options
+def dead_purge(ids: tuple[str, ...], everything: bool, queue: str, as_json: bool, redis_url: str,
+               cluster: bool) -> None:
+    """Forget dead requests for good."""
+    n = RequestQueue(connect(redis_url, cluster), queue).purge(**_dead_targets(ids, everything))
+    if as_json:
+        print_json({"queue": queue, "purged": n})
+    else:
+        click.echo(f"{n} dead request(s) purged from queue {queue!r}")
