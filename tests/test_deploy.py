@@ -587,7 +587,8 @@ def test_gpu_overlay_renders_a_cuda_worker_and_leaves_the_jobs_worker() -> None:
     base = {d["metadata"]["name"]: d for d in rendered(K8S) if d["kind"] == "Deployment"}
     gpu = {d["metadata"]["name"]: d for d in rendered(GPU_OVERLAY) if d["kind"] == "Deployment"}
     (worker,) = containers(gpu["batchery-worker"])
-    assert worker["image"].endswith("-cuda") and worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["image"].endswith("-cuda")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["args"] == containers(base["batchery-worker"])[0]["args"]  # merged, not replaced
     assert gpu["batchery-jobs-worker"] == base["batchery-jobs-worker"]
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from selenium import webdriver
@@ -83,12 +83,15 @@ def job_fields(driver: webdriver.Chrome) -> dict[str, str]:
 
 def worker_rows(driver: webdriver.Chrome) -> list[str]:
     """The Workers page's rows as text (worker name, current job, queues)."""
-    return driver.execute_script("return [...document.querySelectorAll('#workers tr[data-role=worker]')]"
-                                 ".map(r => r.textContent.replace(/\\s+/g, ' ').trim())")
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#workers tr[data-role=worker]')]"
+        ".map(r => r.textContent.replace(/\\s+/g, ' ').trim())")
 
 
-def shows(driver: webdriver.Chrome, url: str, read, want) -> bool:  # type: ignore[no-untyped-def]
-    """Load ``url`` and wait a little for its script to fill the page with what ``want`` accepts."""
+def shows(driver: webdriver.Chrome, url: str, read: Callable[[webdriver.Chrome], Any],
+          want: Callable[[Any], Any]) -> bool:
+    """Load ``url`` and wait a little for its script to fill the page with what ``want``
+    accepts (from what ``read`` reads)."""
     driver.get(url)
     try:
         wait_for(lambda: want(read(driver)), 5, 0.1, message=url)
@@ -125,13 +128,15 @@ def test_rq_dashboard_and_rq_info_show_a_running_then_a_finished_job(
                          lambda f: f.get("Status") == "started")
             running_view = job_fields(browser)
             assert json.loads(running_view["Metadata"])["phase"] == "running"
+            assert running_view["Result"] == "null"
             assert f"{jobs_queue} " in (info := rq_info(redis_url, jobs_queue))
             assert "1 executing, 0 finished" in info and f"busy {jobs_queue}" in info
 
             gate.unlink()  # let the batches through: the job finishes
+            done = ("0", "1", "0")  # started, finished, failed
             assert wait_for(lambda: shows(
                 browser, f"{board}/0/view/queues", lambda d: queue_row(d, jobs_queue),
-                lambda row: row and row[STARTED] == "0" and row[FINISHED] == "1"), 60,
+                lambda row: row and (row[STARTED], row[FINISHED], row[FAILED]) == done), 60,
                 message="the job finished on the Queues page")
             assert shows(browser, f"{board}/0/view/jobs/{jobs_queue}/finished/8/asc/1", job_rows,
                          lambda ids: ids == [job])
