@@ -600,3 +600,40 @@ def test_manifests_validate_against_the_kubernetes_schemas() -> None:
     assert {d["kind"] for d in objects} >= {"Deployment", "ConfigMap", "PodDisruptionBudget"}
     for doc in objects:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+KEDA_CRDS = ROOT / "tests" / "schemas" / "keda"
+
+
+def _closed(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields (Kubernetes would prune them in silence: a
+    typo such as `minReplicaCont` would be dropped), as kubernetes_validate's strict mode."""
+    if isinstance(schema, dict):
+        out = {k: _closed(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    return schema
+
+
+def test_keda_objects_validate_against_kedas_schemas() -> None:
+    import jsonschema
+    schemas = {}
+    for path in KEDA_CRDS.glob("*.yaml"):
+        (crd,) = yaml_docs(path)
+        for version in crd["spec"]["versions"]:
+            key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+            schemas[key] = _closed(version["schema"]["openAPIV3Schema"])
+    checked = []
+    for path in sorted((DEPLOY / "keda").glob("*.yaml")):
+        for doc in yaml_docs(path):
+            schema = schemas.get((doc["apiVersion"], doc["kind"]))
+            assert schema, f"{path.relative_to(ROOT)}: no KEDA schema for {doc['kind']}"
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                      for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+            assert not errors, f"{path.relative_to(ROOT)} {doc['kind']}: {errors}"
+            checked.append(doc["kind"])
+    assert sorted(set(checked)) == ["ScaledObject", "TriggerAuthentication"]
