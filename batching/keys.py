@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from batchery.errors import ConfigError
 
 PREFIX = "batchery"
-QUEUES = f"{PREFIX}:queues"  # SET of queue names, for `batchery stats` (no tag: read alone)
+QUEUES = f"{PREFIX}:queues"  # SET of queue names, for `batchery queue stats` (no tag: read alone)
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 

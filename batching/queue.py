@@ -25,7 +25,7 @@ DEFAULTS = QueueSettings()
 # the error `dead list` shows for a dead letter whose dead result was deleted
 RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
                "written to an offline job's output (see its errors there) or expired; "
-               "`batchery dead retry ID` runs it again"}
+               "`batchery queue dead retry ID` runs it again"}
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
@@ -65,7 +65,7 @@ class RequestQueue:
 
     # -- producers -------------------------------------------------------------------
     def register(self) -> None:
-        """List the queue for `batchery stats` (a separate key: it carries no hash tag)."""
+        """List the queue for `batchery queue stats` (a separate key: it carries no hash tag)."""
         self.client.sadd(QUEUES, self.name)
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:

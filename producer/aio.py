@@ -100,7 +100,7 @@ class AsyncClient:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
         self.queue = AsyncRequestQueue(self._conn, self._queue_name)
         self.replies = AsyncReplyListener(self.queue, self.client_id, self._forget_delivered)
-        await self.queue.register()  # listed for `batchery stats`
+        await self.queue.register()  # listed for `batchery queue stats`
         await self._load_settings()
 
     async def _load_settings(self) -> None:

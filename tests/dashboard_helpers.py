@@ -1,8 +1,10 @@
-"""Helpers for the dashboard tests: a real `batchery dashboard` process and plain HTTP."""
+"""Helpers for the dashboard tests: a real `batchery dashboard` process, plain HTTP, and
+headless Chromium (Debian's chromium and chromium-driver: `make browser` installs them)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -11,6 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 from contextlib import contextmanager
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 from tests.conftest import ROOT, cli_env, free_port, stop_process, wait_for
 
@@ -88,3 +94,26 @@ def _answers(board: Dashboard) -> bool:
         return board.get("api/state").status == 200
     except OSError:
         return False
+
+
+def find(*names: str) -> str:
+    found = next((p for p in map(shutil.which, names) if p), None)
+    if not found:
+        raise AssertionError(f"none of {', '.join(names)} is installed: apt-get install chromium "
+                             "chromium-driver (`make browser` does it)")
+    return found
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = find("chromium", "chromium-browser", "google-chrome")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(find("chromedriver")))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -9,7 +9,7 @@ import pytest
 
 from batchery import Client, ConfigError
 from batchery.connection import RedisSettings, redact
-from tests.conftest import RedisServer, free_port, newest_redis_server, run_cli
+from tests.conftest import RedisServer, free_port, newest_redis_server, run_cli, tls_missing
 from tests.test_client import BackgroundWorker
 
 
@@ -72,12 +72,15 @@ def make_certificates(folder: Path) -> dict[str, Path]:
 
 
 def test_tls_url(tmp_path: Path, queue_name: str) -> None:
+    binary = newest_redis_server()
+    if reason := tls_missing(binary):
+        pytest.skip(reason)
     certs = make_certificates(tmp_path)
     tls_port = free_port()
     server = RedisServer("--tls-port", str(tls_port), "--tls-cert-file", str(certs["server.crt"]),
                          "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file",
                          str(certs["ca.crt"]), "--tls-auth-clients", "no",
-                         binary=newest_redis_server())
+                         binary=binary)
     try:
         roundtrip(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs['ca.crt']}", queue_name)
     finally:

