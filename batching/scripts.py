@@ -6,9 +6,12 @@ Each ``lua/<name>.lua`` states its KEYS, ARGV and return shape in its header;
 
 from __future__ import annotations
 
+import inspect
 from functools import lru_cache
 from importlib import resources
 from typing import Any
+
+import redis
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
          "lookup", "reprice", "workers", "oldest")
@@ -25,7 +28,7 @@ class Scripts:
 
     def __init__(self, client: Any) -> None:
         for name in NAMES:
-            setattr(self, name, client.register_script(source(name)))
+            setattr(self, name, _same_errors(client.register_script(source(name))))
 
     enqueue: Any
     claim: Any
@@ -41,3 +44,31 @@ class Scripts:
     reprice: Any
     workers: Any
     oldest: Any
+
+
+def _same_errors(script: Any) -> Any:
+    """The script, raising OutOfMemoryError for a write refused for memory on every Redis:
+    before 7.0 a refusal inside a script is a plain ResponseError ("Error running script
+    ... -OOM command not allowed ...")."""
+    if inspect.iscoroutinefunction(script.__call__):
+        async def call_async(keys: Any = None, args: Any = None) -> Any:
+            try:
+                return await script(keys, args)
+            except redis.ResponseError as exc:
+                raise _refined(exc) from None
+        call_async.sha = script.sha  # type: ignore[attr-defined]
+        return call_async
+
+    def call(keys: Any = None, args: Any = None) -> Any:
+        try:
+            return script(keys, args)
+        except redis.ResponseError as exc:
+            raise _refined(exc) from None
+    call.sha = script.sha  # type: ignore[attr-defined]
+    return call
+
+
+def _refined(exc: redis.ResponseError) -> redis.ResponseError:
+    if not isinstance(exc, redis.OutOfMemoryError) and "-OOM command not allowed" in str(exc):
+        return redis.OutOfMemoryError(str(exc))
+    return exc
