@@ -62,14 +62,19 @@ class Claimer(threading.Thread):
     def _give_back_if_overtaken(self, batch: Batch) -> bool:
         """Release ``batch`` to the queue if a more urgent request is pending; False: run it."""
         try:
-            head = self.queue.client.zrange(self.queue.keys.pending, 0, 0, withscores=True)
-            if not head or head[0][1] >= min(r.rank for r in batch.requests):
+            head = self.head_rank()
+            if head is None or head >= min(r.rank for r in batch.requests):
                 return False
             self.queue.release([(r.id, r.token) for r in batch.requests])
         except redis.RedisError:
             return False  # cannot tell, or cannot give it back: run it
         self.leases.drop(r.id for r in batch.requests)
         return True
+
+    def head_rank(self) -> float | None:
+        """The rank of the most urgent pending request (None: nothing pending)."""
+        head = self.queue.client.zrange(self.queue.keys.pending, 0, 0, withscores=True)
+        return head[0][1] if head else None
 
     def leftovers(self) -> list[Batch]:
         """Batches claimed but not taken (at shutdown)."""

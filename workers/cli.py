@@ -27,14 +27,17 @@ log = logging.getLogger(__name__)
               "a callable over a list of inputs.")
 @click.option("--device", default="auto", show_default=True, envvar="BATCHERY_DEVICE",
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
-@click.option("--max-batch-size", type=int, help="Largest batch claimed (--task generate: "
-              "sequences in flight; default: timed at start, the smallest size within 5% of the "
-              "model's best throughput; 64 for --runner and --task generate).")
-@click.option("--max-batch-tokens", default=8192, show_default=True, type=int,
-              help="Padded tokens per batch (longest x size); with --task generate, the KV "
-              "cache budget: prompt plus max_new_tokens summed over the sequences in flight.")
-@click.option("--max-wait-ms", default=10, show_default=True, type=int,
-              help="How long a partial batch waits for more requests.")
+@click.option("--max-batch-size", type=int, help="Largest batch claimed (default: timed at "
+              "start, the smallest size within 5% of the model's best throughput; 64 for "
+              "--runner). --task generate: sequences in flight (default 32 on a CPU, 256 on "
+              "a GPU).")
+@click.option("--max-batch-tokens", type=int,
+              help="Padded tokens per batch (longest x size; default 8192). --task generate: "
+              "the KV cache budget, prompt plus max_new_tokens summed over the sequences in "
+              "flight (default: the sequences x the model's context, within half the free memory).")
+@click.option("--max-wait-ms", type=int,
+              help="How long a partial batch waits for more requests (default 10; --task "
+              "generate: 0).")
 @click.option("--lookahead", default=0, type=int,
               help="Candidates a claim picks similar lengths from (default 1024, or 4 x max "
               "batch size if more).")
@@ -68,15 +71,20 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     # checked before the model loads: a wrong flag fails in a second, not after a minute;
     # the sizes left to the defaults are filled in below, once the model is known
     given = {k: v for k, v in (("max_batch_size", max_batch_size),
-                               ("parallel_batches", parallel_batches)) if v is not None}
-    options = WorkerOptions(queue=queue, max_batch_tokens=max_batch_tokens,
-                            max_wait_ms=max_wait_ms, lookahead=lookahead,
-                            model=runner or f"{task} {model}", **given)
+                               ("parallel_batches", parallel_batches),
+                               ("max_batch_tokens", max_batch_tokens),
+                               ("max_wait_ms", max_wait_ms)) if v is not None}
+    options = WorkerOptions(queue=queue, lookahead=lookahead, model=runner or f"{task} {model}",
+                            **given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
     from batchery.workers.runners import load_runner
     model_runner = load_runner(task, model, runner, device, allow_download, dtype)
     placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
-    if task == "generate":  # one decode loop; sequences join and leave it between steps
+    if task == "generate" and not runner:  # one decode loop; sequences join and leave it
+        from batchery.workers.generating import generate_defaults
+        options, threads = generate_defaults(model_runner, options, set(given), threads, _cores())
+        parallel_batches, max_batch_size = 1, options.max_batch_size
+    elif task == "generate":
         parallel_batches = 1
     if parallel_batches is None:  # one batch per core on a CPU; built-in runners are thread-safe
         parallel_batches = _cores() if placed == "cpu" else 1
@@ -87,7 +95,7 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     metrics.bind(queue)
     if max_batch_size is None:
         from batchery.workers.calibrate import pick_batch_size
-        max_batch_size, rates = pick_batch_size(model_runner, max_batch_tokens)
+        max_batch_size, rates = pick_batch_size(model_runner, options.max_batch_tokens)
         if rates:
             log.info("batch size %d: requests/s by batch size at a typical length: %s",
                      max_batch_size, ", ".join(f"{s}: {r:.0f}" for s, r in rates.items()))
