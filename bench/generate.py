@@ -9,8 +9,8 @@ requests are there at the start (an offline job); latency is from then to each r
     order, each running until its longest request is done.
 (b) transformers' in-process continuous batching (ContinuousBatchingManager, paged
     cache, its default sizing; one max_new_tokens per request through add_request).
-(c) batchery: one real ``batchery worker --task generate`` (BATCH sequences in flight),
-    fed by ``Client.stream`` with every request queued at once.
+(c) batchery: one real ``batchery worker --task generate`` with its defaults (no tuning
+    flag), fed by ``Client.stream`` with every request queued at once.
 (d) realtime time to first token in batchery while a batch-class flood decodes: a
     streamed realtime request every REALTIME_EVERY_S, from enqueue to its first text.
 
@@ -41,7 +41,7 @@ from batchery.workers.runners.hf import resolve_model  # noqa: E402
 from bench import common  # noqa: E402
 from bench.corpus import paragraphs  # noqa: E402
 
-BATCH = 32                 # static batch size and batchery's sequences in flight
+BATCH = 32                 # static batch size (batchery's default sequences in flight on a CPU)
 REALTIME_EVERY_S = 0.25
 MODEL = dict(n_embd=256, n_layer=4, n_head=4, n_positions=512)  # ~10M parameters besides embeddings
 
@@ -106,10 +106,9 @@ def transformers_cb(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str
 
 
 def worker_args(model_dir: Path, port: int) -> tuple[str, ...]:
+    """No tuning flags: the worker's own defaults for --task generate."""
     return ("--task", "generate", "--model", str(model_dir), "--device", "cpu",
-            "--threads", str(torch.get_num_threads()),
-            "--max-batch-size", str(BATCH), "--max-batch-tokens", str(BATCH * 512),
-            "--max-wait-ms", "0", "--metrics-port", str(port))
+            "--metrics-port", str(port))
 
 
 @contextmanager
@@ -140,7 +139,7 @@ def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[
             tokens += result.output["tokens"]
         seconds = time.perf_counter() - started
         step_ms = mean_step_ms(port)
-    row = summary(f"(c) batchery, 1 worker, {BATCH} in flight", latencies, tokens, seconds)
+    row = summary("(c) batchery, 1 worker, its defaults", latencies, tokens, seconds)
     row["step_ms"] = step_ms
     return row
 
@@ -204,8 +203,8 @@ def realtime_ttft(url: str, model_dir: Path, requests: list[dict[str, Any]],
 
 
 def admitted_to_first_text(client: Client, request_id: str) -> float:
-    """On the Redis clock: from the stream's start entry (written when the worker takes
-    the claimed request in, before its prefill) to its first text entry."""
+    """On the Redis clock: from the stream's start entry (written when the worker claims
+    the request) to its first text entry."""
     entries = client.queue.client.xrange(client.queue.keys.stream(request_id))
     start = next(i for i, f in entries if f["e"] == "start")
     text = next(i for i, f in entries if f["e"] == "text")

@@ -189,9 +189,10 @@ class DecodeLoop:
         return got_slots, got_tokens
 
     def _prefill(self) -> None:
-        """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first; sequences
-        whose context is all in emit their first token and join the decoding rows."""
-        budget = self.options.prefill_chunk_tokens
+        """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
+        when no row decodes: there is nothing to stall); sequences whose context is all in
+        emit their first token and join the decoding rows."""
+        budget = self.options.prefill_chunk_tokens if self.batch.rows else 0
         spent = 0
         for p in list(self.prefilling):
             if budget and spent >= budget:
