@@ -322,7 +322,7 @@ def test_a_generate_worker_reports_its_model_device_and_counts(redis_url, queue_
 
 def test_generate_chooses_its_own_defaults_and_keeps_the_flags_given(runner) -> None:
     options, threads = generate_defaults(runner, WorkerOptions(), set(), None, cores=4)
-    assert (options.max_batch_size, options.max_wait_ms, threads) == (32, 0, 3)
+    assert (options.max_batch_size, options.max_wait_ms, options.lookahead, threads) == (32, 0, 128, 3)
     # the tiny model's KV cache is small: 32 sequences of its whole context fit in memory
     assert options.max_batch_tokens == 32 * runner.max_input_tokens
     given = WorkerOptions(max_batch_size=4, max_wait_ms=7, max_batch_tokens=999)

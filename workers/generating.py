@@ -94,7 +94,8 @@ def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], thre
     """The options ``--task generate`` fills in where no flag set them, and its torch
     threads: sequences in flight by device, the KV cache budget from the model's context
     and the memory free for its cache, no dynamic wait (a claim between decode steps
-    takes what is there: waiting would stall the running sequences), and on a CPU one
+    takes what is there: waiting would stall the running sequences), a short lookahead,
+    and on a CPU one
     core left to the threads that claim, stream and commit around the model."""
     device = torch.device(getattr(runner, "device", "cpu"))
     on_cpu = device.type == "cpu"
@@ -107,6 +108,8 @@ def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], thre
         changes["max_batch_tokens"] = max(runner.max_input_tokens, min(sequences * runner.max_input_tokens, fits))
     if "max_wait_ms" not in given:
         changes["max_wait_ms"] = 0
+    if not options.lookahead:  # a claim between steps fills a few freed rows: 4 per row in
+        changes["lookahead"] = 4 * sequences  # flight is choice enough, and costs Redis less
     if threads is None and on_cpu:
         threads = max(1, cores - 1)
     return replace(options, **changes), threads
