@@ -292,7 +292,9 @@ class DecodeLoop:
         shown = len(s.text)
         if not s.finish_reason:
             shown = min(len(s.text.rstrip("\ufffd")), shown - s.params.holdback)
-        if shown > len(s.sent):
+        # the first token always gets an entry, its text possibly empty (a special token):
+        # the reader learns that generation started
+        if shown > len(s.sent) or len(s.generated) == 1 and not s.sent:
             self.streams.text(s.key.request.id, s.text[len(s.sent):shown], len(s.generated))
             s.sent = s.text[:shown]
 
