@@ -317,7 +317,7 @@ def test_a_generate_worker_reports_its_model_device_and_counts(redis_url, queue_
         prompt = len(runner.sequence(None, "hello").prompt_ids)
         # through the model: both prompts, then each token but the last fed back
         assert int(info["tokens"]) == 2 * prompt + (5 - 1) + (9 - 1) and int(info["runs"]) >= 9
-        assert int(info["last_claim_ms"]) > 0 and info["live"]
+        assert int(info["last_claim_ms"]) > 0 and info["live"] and info["preempted"] == "0"
 
 
 def test_generate_chooses_its_own_defaults_and_keeps_the_flags_given(runner) -> None:

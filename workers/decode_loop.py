@@ -183,7 +183,6 @@ class DecodeLoop:
         self.waiting += chosen
         self.waiting.sort(key=_rank)
         self.preempted += len(chosen)
-        metrics.PREEMPTIONS.inc(len(chosen))
         log.info("preempted %d sequence(s) for %s request %s", len(chosen),
                  s.key.request.priority, s.key.request.id)
         return got_slots, got_tokens

@@ -65,6 +65,11 @@ class GenerateWorker(Worker):
     claims_ahead = False  # the decode loop claims between its steps
     loop: DecodeLoop
 
+    def info(self) -> dict[str, Any]:
+        """The batch worker's report, and the sequences preempted so far."""
+        loop = getattr(self, "loop", None)
+        return {**super().info(), "preempted": loop.preempted if loop else 0}
+
     def _on_committed(self, queue_: RequestQueue) -> Callable[[list[Outcome]], None]:
         ends = StreamWriter(queue_.client, queue_.keys)  # the writer thread's own
         return lambda done: _end_streams(ends, done)

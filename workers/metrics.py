@@ -50,8 +50,6 @@ _BY_QUEUE = {
                             "timed at start (workers/calibrate.py) unless --max-batch-size "
                             "is given", Q, multiprocess_mode="max"),
     "OOM_BACKOFFS": Counter("batchery_oom_backoffs_total", "Batches halved after out of memory", Q),
-    "PREEMPTIONS": Counter("batchery_preemptions_total", "Generating sequences paused (cache "
-                           "freed, recomputed later) to make room for a more urgent request", Q),
 }
 BATCH_SIZE: Any
 BATCH_TOKENS: Any
@@ -63,7 +61,6 @@ DEAD_LETTERS: Any
 REPRICED: Any
 MAX_BATCH_SIZE: Any
 OOM_BACKOFFS: Any
-PREEMPTIONS: Any
 _queue = ""
 
 
