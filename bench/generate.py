@@ -65,6 +65,7 @@ def workload(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def summary(name: str, latencies: list[float], tokens: int, seconds: float) -> dict[str, Any]:
     return {"system": name, "requests": len(latencies), "tokens": tokens,
             "seconds": round(seconds, 2), "tokens_s": tokens / seconds,
+            "load": os.getloadavg()[0],  # the machine's, at the end: others' work slows all
             "p50_s": common.percentile(latencies, 0.5), "p99_s": common.percentile(latencies, 0.99)}
 
 
@@ -198,7 +199,7 @@ def realtime_ttft(url: str, model_dir: Path, requests: list[dict[str, Any]],
             "ttft_p99_ms": 1000 * common.percentile(firsts, 0.99),
             "after_claim_p50_ms": 1000 * common.percentile(after_claim, 0.5),
             "after_claim_p99_ms": 1000 * common.percentile(after_claim, 0.99),
-            "step_ms": step_ms, "flood_left": flood_left,
+            "step_ms": step_ms, "flood_left": flood_left, "load": os.getloadavg()[0],
             "prefill_ms": prefill_ms(model_dir, prompts[:50]),
             "after_claim_ms": sorted(round(1000 * x, 1) for x in after_claim)}
 
@@ -215,12 +216,14 @@ def claim_to_first_token(client: Client, request_id: str) -> float:
 
 COLUMNS = (("system", "system", ""), ("requests", "requests", "d"), ("tokens", "tokens", "d"),
            ("tokens_s", "tokens/s", ".0f"), ("p50_s", "latency p50 s", ".1f"),
-           ("p99_s", "latency p99 s", ".1f"), ("x_a", "x (a)", ".2f"))
+           ("p99_s", "latency p99 s", ".1f"), ("x_a", "x (a)", ".2f"),
+           ("load", "load avg after", ".1f"))
 TTFT_COLUMNS = (("scenario", "scenario", ""), ("realtime", "realtime requests", "d"),
                 ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("ttft_p99_ms", "TTFT p99 ms", ".0f"),
                 ("after_claim_p50_ms", "claim to first token p50 ms", ".0f"),
                 ("after_claim_p99_ms", "claim to first token p99 ms", ".0f"),
-                ("prefill_ms", "one prefill ms", ".1f"), ("step_ms", "decode step ms", ".1f"))
+                ("prefill_ms", "one prefill ms", ".1f"), ("step_ms", "decode step ms", ".1f"),
+                ("load", "load avg after", ".1f"))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
