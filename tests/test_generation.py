@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from batchery import AsyncClient, Client
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
-from batchery.workers.generating import GenerateWorker
+from batchery.workers.generating import GenerateWorker, generate_defaults
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
 from batchery.workers.runners.hf import resolve_model
@@ -45,11 +46,13 @@ def runner(model_dir: Path) -> Any:
     return load_runner("generate", str(model_dir), None, "cpu")
 
 
-@pytest.fixture
-def worker(redis_url: str, queue_name: str, runner: Any) -> Iterator[GenerateWorker]:
+@contextmanager
+def generate_worker(redis_url: str, queue_name: str, runner: Any,
+                    **options: Any) -> Iterator[GenerateWorker]:
     """A generate worker on a thread of this process (its model is the module's runner)."""
+    settings = {"max_wait_ms": 0, "max_batch_tokens": 4096, **options}
     w = GenerateWorker(RedisSettings.from_url(redis_url), runner,
-                       WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=4096))
+                       WorkerOptions(queue=queue_name, **settings))
     thread = threading.Thread(target=w.run, kwargs={"handle_signals": False}, daemon=True)
     thread.start()
     # registered, so an enqueue wakes it (one before that waits for its idle poll: a 0.3 s
@@ -60,6 +63,12 @@ def worker(redis_url: str, queue_name: str, runner: Any) -> Iterator[GenerateWor
     w.stop.set()
     thread.join(30)
     assert not thread.is_alive()
+
+
+@pytest.fixture
+def worker(redis_url: str, queue_name: str, runner: Any) -> Iterator[GenerateWorker]:
+    with generate_worker(redis_url, queue_name, runner) as w:
+        yield w
 
 
 @pytest.fixture
@@ -242,3 +251,86 @@ def test_a_crash_reruns_from_the_start_and_sigterm_finishes_what_runs(redis_url,
         assert result.status == "ok" and result.attempts == 2 and result.output["tokens"] == 200
         assert "".join(e.text for e in after) == result.output["text"]
         assert running.result(timeout=5).output["tokens"] == 50
+
+
+def stream_entries(client: Client, request_id: str) -> list[tuple[int, dict[str, str]]]:
+    """A request's stream entries: (Redis ms, fields)."""
+    return [(int(i.split("-")[0]), f)
+            for i, f in client.queue.client.xrange(client.queue.keys.stream(request_id))]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_steps(redis_url, queue_name,
+                                                                        runner) -> None:
+    with generate_worker(redis_url, queue_name, runner, prefill_chunk_tokens=16) as worker, \
+            Client(redis_url, queue_name) as client:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+        assert next(running.stream(timeout=30)).kind == "text"
+        long_prompt = client.enqueue({"prompt": "word " * 400, "max_new_tokens": 4,
+                                      "stream": True})
+        assert long_prompt.result(timeout=30).output["tokens"] == 4
+        assert client.get(running.id) is None  # still generating
+        newcomer = stream_entries(client, long_prompt.id)
+        claimed = next(ms for ms, f in newcomer if f["e"] == "start")
+        first = next(ms for ms, f in newcomer if f["e"] in ("text", "end"))  # (text may be empty)
+        decoded = [int(f["tokens"]) for ms, f in stream_entries(client, running.id)
+                   if f["e"] == "text" and claimed < ms < first]
+        # 400 tokens in chunks of 16: 25 chunks, a decode step of the running row after each
+        assert len(decoded) >= 12 and decoded[-1] - decoded[0] >= 12
+        assert worker.loop.batch.steps > 0
+
+
+def test_a_realtime_arrival_preempts_a_batch_sequence_that_resumes_where_it_was(
+        redis_url, queue_name, runner) -> None:
+    with generate_worker(redis_url, queue_name, runner, max_batch_size=2) as worker, \
+            Client(redis_url, queue_name) as client:
+        longs = [client.enqueue({"prompt": p, "max_new_tokens": LONG, "stream": True},
+                                priority="batch") for p in ("go on", "and on")]
+        streams = [h.stream(timeout=60) for h in longs]
+        firsts = [next(s) for s in streams]
+        assert [e.kind for e in firsts] == ["text", "text"]  # both decoding: the worker is full
+        steps_before = worker.loop.batch.steps
+        urgent = client.enqueue({"prompt": "quick", "max_new_tokens": 3}, priority="realtime")
+        assert urgent.result(timeout=30).output["tokens"] == 3
+        assert worker.loop.batch.steps - steps_before < 30  # not after the 400-token ones
+        assert [client.get(h.id) for h in longs] == [None, None]
+        assert worker.loop.preempted == 1
+        for first, stream in zip(firsts, streams):
+            events = [first, *stream]
+            assert "restarted" not in [e.kind for e in events]  # recomputed, not rerun
+            result = events[-1].result
+            assert result.status == "ok" and result.attempts == 1
+            assert result.output["tokens"] == LONG and result.output["finish_reason"] == "length"
+            assert "".join(e.text for e in events[:-1]) == result.output["text"]
+
+
+def test_a_generate_worker_reports_its_model_device_and_counts(redis_url, queue_name,
+                                                             runner) -> None:
+    RequestQueue(RedisSettings.from_url(redis_url).client(), queue_name).update_settings(
+        lease_seconds=1)
+    with generate_worker(redis_url, queue_name, runner, model="generate tiny-gpt2") as worker, \
+            Client(redis_url, queue_name) as client:
+        handles = [client.enqueue({"prompt": "hello", "max_new_tokens": n}) for n in (5, 9)]
+        assert [h.result(timeout=30).output["tokens"] for h in handles] == [5, 9]
+
+        def report() -> dict[str, Any] | None:
+            _, workers = client.queue.worker_reports()
+            mine = [w for w in workers if w["id"] == worker.id]
+            return mine[0] if mine and int(mine[0].get("requests", 0)) == 2 else None
+        info = wait_for(report, timeout=10, message="the worker's report after two requests")
+        assert info["model"] == "generate tiny-gpt2" and info["device"] == "cpu"
+        prompt = len(runner.sequence(None, "hello").prompt_ids)
+        # through the model: both prompts, then each token but the last fed back
+        assert int(info["tokens"]) == 2 * prompt + (5 - 1) + (9 - 1) and int(info["runs"]) >= 9
+        assert int(info["last_claim_ms"]) > 0 and info["live"] and info["preempted"] == "0"
+
+
+def test_generate_chooses_its_own_defaults_and_keeps_the_flags_given(runner) -> None:
+    options, threads = generate_defaults(runner, WorkerOptions(), set(), None, cores=4)
+    assert (options.max_batch_size, options.max_wait_ms, options.lookahead, threads) == (32, 0, 128, 3)
+    # the tiny model's KV cache is small: 32 sequences of its whole context fit in memory
+    assert options.max_batch_tokens == 32 * runner.max_input_tokens
+    given = WorkerOptions(max_batch_size=4, max_wait_ms=7, max_batch_tokens=999)
+    options, threads = generate_defaults(runner, given, {"max_batch_size", "max_wait_ms",
+                                                         "max_batch_tokens"}, 2, cores=4)
+    assert (options.max_batch_size, options.max_wait_ms, options.max_batch_tokens, threads) == \
+        (4, 7, 999, 2)

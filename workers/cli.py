@@ -31,17 +31,22 @@ log = logging.getLogger(__name__)
               "a callable over a list of inputs.")
 @click.option("--device", default="auto", show_default=True,
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
-@click.option("--max-batch-size", type=int, help="Largest batch claimed (--task generate: "
-              "sequences in flight; default: timed at start, the smallest size within 5% of the "
-              f"model's best throughput; {default_of(WorkerOptions, 'max_batch_size')} for --runner and "
-              "--task generate).")
-@click.option("--max-batch-tokens", default=default_of(WorkerOptions, "max_batch_tokens"),
-              show_default=True, type=int,
-              help="Padded tokens per batch (longest x size); with --task generate, the KV "
-              "cache budget: prompt plus max_new_tokens summed over the sequences in flight.")
-@click.option("--max-wait-ms", default=default_of(WorkerOptions, "max_wait_ms"),
-              show_default=True, type=int,
-              help="How long a partial batch waits for more requests.")
+@click.option("--max-batch-size", type=int, help="Largest batch claimed (default: timed at "
+              "start, the smallest size within 5% of the model's best throughput; "
+              f"{default_of(WorkerOptions, 'max_batch_size')} for --runner). --task generate: "
+              "sequences in flight (default 32 on a CPU, 256 on a GPU).")
+@click.option("--max-batch-tokens", type=int,
+              help="Padded tokens per batch (longest x size; default "
+              f"{default_of(WorkerOptions, 'max_batch_tokens')}). --task generate: the KV cache "
+              "budget, prompt plus max_new_tokens summed over the sequences in flight (default: "
+              "the sequences x the model's context, within half the free memory).")
+@click.option("--max-wait-ms", type=int,
+              help="How long a partial batch waits for more requests (default "
+              f"{default_of(WorkerOptions, 'max_wait_ms')}; --task generate: 0).")
+@click.option("--prefill-chunk-tokens", type=int,
+              help="--task generate: prompt tokens prefilled per step while other sequences "
+              f"decode (default {default_of(WorkerOptions, 'prefill_chunk_tokens')}; 0: a whole "
+              "prompt at once).")
 @click.option("--lookahead", default=default_of(WorkerOptions, "lookahead"), type=int,
               help="Candidates a claim picks similar lengths from (default "
               f"{DEFAULT_LOOKAHEAD}, or 4 x max "
@@ -63,7 +68,8 @@ log = logging.getLogger(__name__)
 @queue_option
 @redis_options
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
-           max_batch_size: int | None, max_batch_tokens: int, max_wait_ms: int, lookahead: int,
+           max_batch_size: int | None, max_batch_tokens: int | None, max_wait_ms: int | None,
+           prefill_chunk_tokens: int | None, lookahead: int,
            metrics_port: int | None, concurrency: int, parallel_batches: int | None,
            threads: int | None, dtype: str, burst: bool,
            allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
@@ -77,15 +83,21 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     # checked before the model loads: a wrong flag fails in a second, not after a minute;
     # the sizes left to the defaults are filled in below, once the model is known
     given = {k: v for k, v in (("max_batch_size", max_batch_size),
-                               ("parallel_batches", parallel_batches)) if v is not None}
-    options = WorkerOptions(queue=queue, max_batch_tokens=max_batch_tokens,
-                            max_wait_ms=max_wait_ms, lookahead=lookahead,
-                            model=runner or f"{task} {model}", **given)
+                               ("parallel_batches", parallel_batches),
+                               ("max_batch_tokens", max_batch_tokens),
+                               ("max_wait_ms", max_wait_ms),
+                               ("prefill_chunk_tokens", prefill_chunk_tokens)) if v is not None}
+    options = WorkerOptions(queue=queue, lookahead=lookahead, model=runner or f"{task} {model}",
+                            **given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
     from batchery.workers.runners import load_runner
     model_runner = load_runner(task, model, runner, device, allow_download, dtype)
     placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
-    if task == "generate":  # one decode loop; sequences join and leave it between steps
+    if task == "generate" and not runner:  # one decode loop; sequences join and leave it
+        from batchery.workers.generating import generate_defaults
+        options, threads = generate_defaults(model_runner, options, set(given), threads, _cores())
+        parallel_batches, max_batch_size = 1, options.max_batch_size
+    elif task == "generate":
         parallel_batches = 1
     if parallel_batches is None:  # one batch per core on a CPU; built-in runners are thread-safe
         parallel_batches = _cores() if placed == "cpu" else 1
@@ -96,7 +108,7 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     metrics.bind(queue)
     if max_batch_size is None:
         from batchery.workers.calibrate import pick_batch_size
-        max_batch_size, rates = pick_batch_size(model_runner, max_batch_tokens)
+        max_batch_size, rates = pick_batch_size(model_runner, options.max_batch_tokens)
         if rates:
             log.info("batch size %d: requests/s by batch size at a typical length: %s",
                      max_batch_size, ", ".join(f"{s}: {r:.0f}" for s, r in rates.items()))

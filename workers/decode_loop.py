@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
@@ -18,7 +18,7 @@ from batchery.workers.execution import Executed, Outcome, failure
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.loop import _retrying
 from batchery.workers.results import ResultWriter
-from batchery.workers.runners.decoding import Sequence
+from batchery.workers.runners.decoding import Prefill, Sequence
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_S = 0.05  # how often running sequences are checked for cancellation
@@ -37,11 +37,14 @@ class Slot:
 
 class DecodeLoop:
     def __init__(self, queue_: RequestQueue, runner: Any, claimer: Claimer, leases: Leases,
-                 writer: ResultWriter, options: Any) -> None:
+                 writer: ResultWriter, options: Any,
+                 count: Callable[..., None] = lambda **_: None) -> None:
         self.queue, self.runner, self.claimer = queue_, runner, claimer
-        self.leases, self.writer, self.options = leases, writer, options
+        self.leases, self.writer, self.options, self.count = leases, writer, options, count
         self.batch = runner.new_batch()
-        self.waiting: list[Sequence] = []   # claimed, no room yet
+        self.prefilling: list[Prefill] = []  # admitted, context being prefilled; most urgent first
+        self.waiting: list[Sequence] = []    # claimed or preempted, no room yet; most urgent first
+        self.preempted = 0                   # sequences paused to make room for a more urgent one
         self.streams = StreamWriter(queue_.client, queue_.keys)
         self._checked = time.monotonic()
         self._claim_backoff, self._claim_after = 0.1, 0.0
@@ -52,34 +55,47 @@ class DecodeLoop:
             if stop.is_set() and not handed_back:
                 self._hand_back()
                 handed_back = True
-            if not stop.is_set():
-                if self._fill(burst) is None:
-                    return  # a burst worker with nothing left
-            if not self.batch.rows:
-                if stop.is_set():
+            if not stop.is_set() and self._claim(burst) is None:
+                return  # a burst worker with nothing left
+            self._admit()
+            if not (self.batch.rows or self.prefilling):
+                if stop.is_set():  # (an empty batch admits anything: nothing waits)
                     return
                 continue
-            self._step()
+            self._prefill()
+            if self.batch.rows:
+                self._step()
             self._check_leases()
             self._flush_streams()
 
     # -- admission -------------------------------------------------------------------
+    def _running(self) -> list[Sequence]:
+        """Sequences holding room: decoding, or being prefilled."""
+        return self.batch.rows + [s for p in self.prefilling for s in p.seqs]
+
     def _room(self, held: list[Sequence]) -> tuple[int, int]:
         """Sequences and cache tokens still free beside ``held``."""
         return (self.options.max_batch_size - len(held),
                 self.options.max_batch_tokens - sum(s.reserved for s in held))
 
-    def _fill(self, burst: bool) -> bool | None:
-        """Admit waiting requests, then claim into the room left; None: burst over."""
-        self._admit([])
-        slots, tokens = self._room(self.batch.rows + self.waiting)
-        if self.waiting or slots < 1 or tokens < 1 or time.monotonic() < self._claim_after:
+    def _claim(self, burst: bool) -> bool | None:
+        """Claim into the room left, or the queue's head alone when it is more urgent than
+        a running sequence (room is made for it in ``_admit``); None: burst over."""
+        if time.monotonic() < self._claim_after:
             return True
-        idle = not self.batch.rows
+        running = self._running()
+        slots, tokens = self._room(running + self.waiting)
+        if slots >= 1 and tokens >= 1 and not self.waiting:
+            size = slots, tokens
+        elif self._overtaken():
+            size = 1, 1  # a claim always takes the head, whatever its size
+        else:
+            return True
+        idle = not running and not self.waiting
         held_before = len(self.leases)
         try:
             claimed, reply = self.claimer.claim_requests(
-                slots, tokens, self.options.max_wait_ms if idle else 0)
+                *size, self.options.max_wait_ms if idle else 0)
             self._claim_backoff = 0.1
         except Exception as exc:  # Redis away: keep decoding, claim again later
             report_redis_error("claim", exc, self._claim_backoff)
@@ -89,12 +105,27 @@ class DecodeLoop:
                 time.sleep(self._claim_backoff)
             return True
         if claimed:
-            self._admit([self._sequence(r, reply.now_ms) for r in claimed])
+            self.count(claimed_ms=reply.now_ms)
+            self.waiting += [s for s in (self._sequence(r, reply.now_ms) for r in claimed) if s]
+            self._flush_streams()  # readers see the run start at its claim
         elif idle:
             if reply.wait_ms == -1 and burst and not held_before:
                 return None
             self.claimer.idle(reply)
         return True
+
+    def _overtaken(self) -> bool:
+        """The worker is full: is the queue's head more urgent than a running sequence
+        (and than what already waits for room)?"""
+        if not self.batch.rows:
+            return False
+        try:
+            head = self.queue.head_rank()
+        except Exception as exc:  # cannot tell now: the next step will
+            log.debug("reading the queue's head failed: %s", exc)
+            return False
+        least = max(_rank(s) for s in self.batch.rows)
+        return head is not None and head < least and (not self.waiting or head < _rank(self.waiting[0]))
 
     def _sequence(self, request: Claimed, now_ms: int) -> Sequence | None:
         """The request as a sequence; a request that cannot run fails here, alone."""
@@ -102,57 +133,103 @@ class DecodeLoop:
                     if request.expire_ms else None)
         slot = Slot(request, now_ms, deadline)
         try:
-            return self.runner.sequence(slot, request.input)
+            seq: Sequence = self.runner.sequence(slot, request.input)
         except Exception as exc:  # InputError: no retry; anything else: the runner's bug
             self.writer.submit(Executed(now_ms, [failure(request, exc)]))
             return None
+        if seq.params.stream:
+            self.streams.start(request.id, request.attempt)
+        return seq
 
-    def _admit(self, claimed: list[Sequence | None]) -> None:
-        """Prefill what fits, in claim order; the rest waits for room."""
-        queue_ = self.waiting + [s for s in claimed if s is not None]
-        self.waiting, joining = [], []
-        slots, tokens = self._room(self.batch.rows)
-        for s in queue_:
-            fits = not self.waiting and len(joining) < slots and s.reserved <= tokens
-            if fits or not (self.batch.rows or joining):  # an empty batch takes anything
-                joining.append(s)
-                tokens -= s.reserved
-            else:
-                self.waiting.append(s)
-        # most urgent first, each priority class in its own prefill: a realtime newcomer's
+    def _admit(self) -> None:
+        """Start prefilling what waits, most urgent first, while it fits (preempting less
+        urgent running sequences for it); the rest waits for room."""
+        self.waiting.sort(key=_rank)
+        slots, tokens = self._room(self._running())
+        joining: list[Sequence] = []
+        while self.waiting:
+            s = self.waiting[0]
+            busy = bool(self.batch.rows or self.prefilling or joining)  # an empty batch takes anything
+            if busy and (slots < 1 or s.reserved > tokens):
+                freed = self._preempt(s, 1 - slots, s.reserved - tokens)
+                if freed is None:
+                    break
+                slots, tokens = slots + freed[0], tokens + freed[1]
+            joining.append(self.waiting.pop(0))
+            slots, tokens = slots - 1, tokens - s.reserved
+        # each priority class in its own prefill, most urgent first: a realtime newcomer's
         # first token does not wait for a long batch-class prompt claimed with it
-        joining.sort(key=lambda s: s.key.request.rank)
         for _, group in itertools.groupby(joining, key=lambda s: s.key.request.priority):
-            self._prefill(list(group))
+            seqs = list(group)
+            for s in seqs:
+                s.key.started = s.key.started or time.perf_counter()
+            self.prefilling.append(self.batch.start(seqs))
+        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
 
-    def _prefill(self, joining: list[Sequence]) -> None:
-        for s in joining:
-            s.key.started = time.perf_counter()
-            if s.params.stream:
-                self.streams.start(s.key.request.id, s.key.request.attempt)
-        self._flush_streams()  # readers see the start now, the first text after the prefill
-        try:
-            tokens, join = self.batch.prefill(joining)
-        except Exception as exc:  # a prefill that fails fails its newcomers (retried)
-            log.warning("prefill of %d request(s) failed: %s", len(joining), exc)
-            self._commit([], failed=[(s, exc) for s in joining])
-            return
-        self._advance(joining, tokens, joined=False)
+    def _preempt(self, s: Sequence, slots: int, tokens: int) -> tuple[int, int] | None:
+        """Free ``slots`` sequences and ``tokens`` of cache for ``s`` from decoding rows
+        less urgent than it, least urgent first: (slots, tokens) freed, or None (and
+        nothing preempted) if they cannot make room. The preempted wait, leased, to be
+        prefilled again from their prompt and what they generated."""
+        chosen, got_slots, got_tokens = [], 0, 0
+        for victim in sorted(self.batch.rows, key=_rank, reverse=True):
+            if got_slots >= slots and got_tokens >= tokens or _rank(victim) <= _rank(s):
+                break
+            chosen.append(victim)
+            got_slots, got_tokens = got_slots + 1, got_tokens + victim.reserved
+        if got_slots < slots or got_tokens < tokens:
+            return None
+        self.batch.drop(chosen)
+        self.waiting += chosen
+        self.waiting.sort(key=_rank)
+        self.preempted += len(chosen)
+        log.info("preempted %d sequence(s) for %s request %s", len(chosen),
+                 s.key.request.priority, s.key.request.id)
+        return got_slots, got_tokens
+
+    def _prefill(self) -> None:
+        """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
+        when no row decodes: there is nothing to stall); sequences whose context is all in
+        emit their first token and join the decoding rows."""
+        budget = self.options.prefill_chunk_tokens if self.batch.rows else 0
+        spent = 0
+        for p in list(self.prefilling):
+            if budget and spent >= budget:
+                return
+            before = p.done
+            try:
+                tokens = self.batch.advance(p, budget - spent if budget else 0)
+            except Exception as exc:  # a prefill that fails fails its newcomers (retried)
+                log.warning("prefill of %d request(s) failed: %s", len(p.seqs), exc)
+                self.prefilling.remove(p)
+                self._commit([], failed=[(s, exc) for s in p.seqs])
+                continue
+            chunk = p.mask[:, before:p.done]
+            spent += chunk.numel()
+            self.count(runs=1, tokens=int(chunk.sum()), padded=chunk.numel())
+            if tokens is not None:
+                self.prefilling.remove(p)
+                self._joined(p, tokens)
+
+    def _joined(self, p: Prefill, tokens: list[int]) -> None:
+        self._advance(p.seqs, tokens, joined=False)
         self._flush_streams()  # the first tokens go out before the cache is copied
-        join()
-        ended = [s for s in joining if s.finish_reason]
+        self.batch.join(p, tokens)
+        ended = [s for s in p.seqs if s.finish_reason]
         if ended:  # done at their first token (max_new_tokens 1, EOS, a stop string)
             self.batch.drop(ended)
 
     def _hand_back(self) -> None:
-        """At SIGTERM: requests not started go back to the queue at their rank."""
-        if self.waiting:
-            leases = [(s.key.request.id, s.key.request.token) for s in self.waiting]
+        """At SIGTERM: requests never started go back to the queue at their rank (the
+        preempted ones are finished with the rest)."""
+        fresh = [s for s in self.waiting if not s.key.started]
+        if fresh:
+            leases = [(s.key.request.id, s.key.request.token) for s in fresh]
             _retrying(lambda: self.queue.release(leases))
             self.leases.drop(i for i, _ in leases)
-            log.info("returned %d claimed request(s) to the queue; finishing %d running",
-                     len(leases), len(self.batch.rows))
-            self.waiting = []
+            log.info("returned %d claimed request(s) to the queue; finishing %d started",
+                     len(leases), len(self._running()) + len(self.waiting) - len(fresh))
+            self.waiting = [s for s in self.waiting if s.key.started]
 
     # -- decoding --------------------------------------------------------------------
     def _step(self) -> None:
@@ -167,6 +244,7 @@ class DecodeLoop:
             return
         metrics.INFERENCE.observe(time.perf_counter() - started)
         metrics.BATCH_SIZE.observe(len(rows))
+        self.count(runs=1, tokens=len(rows), padded=len(rows))
         self._advance(rows, tokens)
 
     def _advance(self, rows: list[Sequence], tokens: list[int], joined: bool = True) -> None:
@@ -213,7 +291,9 @@ class DecodeLoop:
         shown = len(s.text)
         if not s.finish_reason:
             shown = min(len(s.text.rstrip("\ufffd")), shown - s.params.holdback)
-        if shown > len(s.sent):
+        # the first token always gets an entry, its text possibly empty (a special token):
+        # the reader learns that generation started
+        if shown > len(s.sent) or len(s.generated) == 1 and not s.sent:
             self.streams.text(s.key.request.id, s.text[len(s.sent):shown], len(s.generated))
             s.sent = s.text[:shown]
 
@@ -238,6 +318,7 @@ class DecodeLoop:
             by_claim.setdefault(s.key.claimed_ms, []).append(o)
         for claimed_ms, group in by_claim.items():
             self.writer.submit(Executed(claimed_ms, group))
+        self.count(requests=len(ended))
 
     # -- between steps -----------------------------------------------------------------
     def _check_leases(self) -> None:
@@ -246,7 +327,7 @@ class DecodeLoop:
         if time.monotonic() - self._checked < LEASE_CHECK_S:
             return
         self._checked = time.monotonic()
-        held = self.batch.rows + self.waiting
+        held = self._running() + self.waiting
         try:
             owners = self.queue.holders([s.key.request.id for s in held])
         except Exception as exc:  # cannot tell now: the next check will
@@ -257,6 +338,10 @@ class DecodeLoop:
             return
         gone = [s for s, _ in lost]
         self.batch.drop(gone)
+        for p in list(self.prefilling):
+            self.batch.shrink(p, gone)
+            if not p.seqs:
+                self.prefilling.remove(p)
         self.waiting = [s for s in self.waiting if s not in gone]
         self.leases.drop(s.key.request.id for s in gone)
         for s, owner in lost:
@@ -271,3 +356,8 @@ class DecodeLoop:
             self.streams.flush()
         except Exception as exc:  # streams are best effort; results are not
             log.warning("writing token streams failed: %s", exc)
+
+
+def _rank(s: Sequence) -> int:
+    """The request's rank in the queue (enqueue ms + class delay ms): lower is more urgent."""
+    return int(s.key.request.rank)

@@ -5,9 +5,15 @@ The model thread keeps a token budget of sequences in flight (``--max-batch-toke
 each sequence reserves its prompt plus its ``max_new_tokens`` of KV cache, and at most
 ``--max-batch-size`` run at once). After every decode step it claims from Redis into the
 room that is free, by the same claim script (priority with aging) as batch workers, so
-a realtime arrival is prefilled and joins at the next step. A sequence that finishes
-(EOS, a stop string, max_new_tokens), is cancelled or passes its deadline leaves at
-once; its result is committed by the ResultWriter while the batch decodes on.
+a realtime arrival is prefilled and joins at the next step. A long prompt is prefilled a
+chunk at a time (``prefill_chunk_tokens`` per step), between the running sequences'
+decode steps. When the worker is full and the queue's head is more urgent than a running
+sequence, the least urgent running ones are preempted: their cache is freed and they
+wait, still leased to this worker, to be prefilled again from their prompt and the
+tokens they had generated (recompute, as vLLM does), so their streams go on where they
+were and nothing they generated is lost. A sequence that finishes (EOS, a stop string,
+max_new_tokens), is cancelled or passes its deadline leaves at once; its result is
+committed by the ResultWriter while the batch decodes on.
 
 The decoding is batchery's own loop on transformers' DynamicCache, not transformers'
 ContinuousBatchingManager: runners/decoding.py says why.
@@ -17,52 +23,66 @@ workers/decode_loop.py) the worker checks it still holds them, so a cancelled re
 stops within a step or two and frees its room. A claimed request with no room yet (the
 claim always takes the head, whatever its size) waits in ``waiting`` under its lease.
 
-SIGTERM: stop claiming, hand waiting requests back to the queue, finish every running
-sequence (a sequence has at most 1024 new tokens left: seconds), commit, exit 0. A
-second signal exits at once; the leases lapse and the reaper queues those sequences
-again (rerun from the start; their streams say "restarted").
+SIGTERM: stop claiming, hand requests claimed but never started back to the queue,
+finish every started sequence (preempted ones included; a sequence has at most 1024 new
+tokens left: seconds), commit, exit 0. A second signal exits at once; the leases lapse
+and the reaper queues those sequences again (rerun from the start; their streams say
+"restarted").
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
 
 from batchery.batching.queue import RequestQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
 from batchery.workers.decode_loop import DecodeLoop
 from batchery.workers.execution import BatchCap, Outcome
-from batchery.workers.leases import Heartbeat, Leases
-from batchery.workers.loop import Worker, _retrying
+from batchery.workers.loop import Worker
+from batchery.workers.options import WorkerOptions
 from batchery.workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
+# Sequences in flight by default. On a CPU a small model's decode step costs about the
+# same from 16 to 32 rows and more past that (bench/generate.py: 32 rows of its GPT-2
+# take ~45 ms a step on one thread); an accelerator's step is flat much longer.
+CPU_SEQUENCES, ACCELERATOR_SEQUENCES = 32, 256
+# Share of the memory free after loading the model that the KV cache may take: room
+# for activations, the prefill's own cache and the copies made when rows join.
+CACHE_MEMORY_SHARE = 0.5
 
 
 class GenerateWorker(Worker):
-    """``--task generate``: the Worker's signals, announce and shutdown, with the model
+    """``--task generate``: the Worker's threads, signals and shutdown, with the model
     thread running a decode loop instead of whole batches."""
 
-    def _serve(self, queue_: RequestQueue, burst: bool) -> None:
-        leases = Leases()
+    claims_ahead = False  # the decode loop claims between its steps
+    loop: DecodeLoop
+
+    def info(self) -> dict[str, Any]:
+        """The batch worker's report, and the sequences preempted so far."""
+        loop = getattr(self, "loop", None)
+        return {**super().info(), "preempted": loop.preempted if loop else 0}
+
+    def _on_committed(self, queue_: RequestQueue) -> Callable[[list[Outcome]], None]:
         ends = StreamWriter(queue_.client, queue_.keys)  # the writer thread's own
-        writer = ResultWriter(queue_, self.id, leases, lambda done: _end_streams(ends, done))
-        heartbeat = Heartbeat(queue_, self.id, leases, self.stop)
-        claimer = Claimer(queue_, self.runner, self.options, leases,
-                          BatchCap(self.options.oom_hold_s), writer.submit, self.stop, burst)
-        _retrying(heartbeat.beat)
-        writer.start()
-        heartbeat.start()
-        log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache",
-                 self.id, queue_.name, self.options.max_batch_size, self.options.max_batch_tokens)
-        self.loop = loop = DecodeLoop(queue_, self.runner, claimer, leases, writer, self.options)
-        loop.run(self.stop, burst)
-        writer.close()
-        self.stop.set()
-        heartbeat.join()
-        _retrying(lambda: queue_.leave(self.id))
-        self.batches_run = loop.batch.steps
-        log.info("worker %s stopped after %d decode steps", self.id, loop.batch.steps)
+        return lambda done: _end_streams(ends, done)
+
+    def _work(self, queue_: RequestQueue, claimer: Claimer, writer: ResultWriter,
+              cap: BatchCap, burst: bool) -> None:
+        o = self.options
+        log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache, "
+                 "prefill chunks of %s tokens", self.id, queue_.name, o.max_batch_size,
+                 o.max_batch_tokens, o.prefill_chunk_tokens or "all the")
+        self.loop = DecodeLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count)
+        self.loop.run(self.stop, burst)
+        self.batches_run = self.loop.batch.steps
 
 
 def _end_streams(ends: StreamWriter, committed: list[Outcome]) -> None:
@@ -74,3 +94,49 @@ def _end_streams(ends: StreamWriter, committed: list[Outcome]) -> None:
     ends.flush()
 
 
+def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], threads: int | None,
+                      cores: int) -> tuple[WorkerOptions, int | None]:
+    """The options ``--task generate`` fills in where no flag set them, and its torch
+    threads: sequences in flight by device, the KV cache budget from the model's context
+    and the memory free for its cache, no dynamic wait (a claim between decode steps
+    takes what is there: waiting would stall the running sequences), a short lookahead,
+    and on a CPU one
+    core left to the threads that claim, stream and commit around the model."""
+    device = torch.device(getattr(runner, "device", "cpu"))
+    on_cpu = device.type == "cpu"
+    changes: dict[str, Any] = {}
+    if "max_batch_size" not in given:
+        changes["max_batch_size"] = CPU_SEQUENCES if on_cpu else ACCELERATOR_SEQUENCES
+    sequences = changes.get("max_batch_size", options.max_batch_size)
+    if "max_batch_tokens" not in given:
+        fits = int(CACHE_MEMORY_SHARE * free_memory(device) / max(1, cache_bytes_per_token(runner)))
+        changes["max_batch_tokens"] = max(runner.max_input_tokens, min(sequences * runner.max_input_tokens, fits))
+    if "max_wait_ms" not in given:
+        changes["max_wait_ms"] = 0
+    if not options.lookahead:  # a claim between steps fills a few freed rows: 4 per row in
+        changes["lookahead"] = 4 * sequences  # flight is choice enough, and costs Redis less
+    if threads is None and on_cpu:
+        threads = max(1, cores - 1)
+    return replace(options, **changes), threads
+
+
+def cache_bytes_per_token(runner: Any) -> int:
+    """KV cache bytes one token takes: keys and values of every layer."""
+    config = runner._model.config
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    element = torch.finfo(runner._model.dtype).bits // 8
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the cache: the accelerator's free memory, or the host's free pages
+    (not counting what the page cache could give back: the lower bound)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this OS: assume 1 GiB
+        return 1 << 30

@@ -14,7 +14,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -22,7 +22,7 @@ from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
 from batchery.workers import metrics
 from batchery.workers.claiming import DONE, Claimer
-from batchery.workers.execution import BatchCap, Executed, Executor
+from batchery.workers.execution import BatchCap, Executed, Executor, Outcome
 from batchery.workers.leases import Heartbeat, Leases
 from batchery.workers.options import WorkerOptions
 from batchery.workers.results import ResultWriter
@@ -40,7 +40,7 @@ class Worker:
         self.options = options or WorkerOptions()
         self.id = self.options.worker_id
         self.stop = threading.Event()
-        self.batches_run = 0
+        self.batches_run = 0  # batches (generate: decode steps) the model ran
         # model runs, requests, real and padded tokens, last claim (Redis ms): the dashboard's
         self.ran = {"runs": 0, "requests": 0, "tokens": 0, "padded": 0, "last_claim_ms": 0}
         self._count_lock = threading.Lock()
@@ -64,16 +64,46 @@ class Worker:
             client.close()
         return 0
 
+    # the claimer claims ahead on its own thread; the generate worker claims between steps
+    claims_ahead = True
+
     def _serve(self, queue_: RequestQueue, burst: bool) -> None:
+        """The threads every worker runs (leases, writer, heartbeat, claimer) around its
+        model loop (``_work``), and their orderly end: prefetched claims go back, results
+        are written, the worker leaves the registry."""
         leases, cap = Leases(), BatchCap(self.options.oom_hold_s)
-        writer = ResultWriter(queue_, self.id, leases)
+        writer = ResultWriter(queue_, self.id, leases, self._on_committed(queue_))
         heartbeat = Heartbeat(queue_, self.id, leases, self.stop, self.info)
         claimer = Claimer(queue_, self.runner, self.options, leases, cap, writer.submit,
                           self.stop, burst)
-        executor = Executor(self.runner, cap)
         _retrying(heartbeat.beat)  # registers the worker before its first claim
-        for thread in (writer, heartbeat, claimer):
+        threads = (writer, heartbeat, claimer) if self.claims_ahead else (writer, heartbeat)
+        for thread in threads:
             thread.start()
+        try:
+            self._work(queue_, claimer, writer, cap, burst)
+        finally:
+            self.stop.set()
+            if self.claims_ahead:
+                claimer.join()
+            leftovers = [r for b in claimer.leftovers() for r in b.requests]
+            if leftovers:
+                _retrying(lambda: queue_.release([(r.id, r.token) for r in leftovers]))
+                leases.drop(r.id for r in leftovers)
+                log.info("returned %d prefetched request(s) to the queue", len(leftovers))
+            writer.close()
+            heartbeat.join()
+            _retrying(lambda: queue_.leave(self.id))
+        log.info("worker %s stopped after %d batches", self.id, self.batches_run)
+
+    def _on_committed(self, queue_: RequestQueue) -> Callable[[list[Outcome]], None] | None:
+        """What the writer does after committing results (nothing, for whole batches)."""
+        return None
+
+    def _work(self, queue_: RequestQueue, claimer: Claimer, writer: ResultWriter,
+              cap: BatchCap, burst: bool) -> None:
+        """Run the batches the claimer prepares until stopped (or the burst is drained)."""
+        executor = Executor(self.runner, cap)
         log.info("worker %s serving queue %r", self.id, queue_.name)
         extra = [threading.Thread(target=self._run_batches, args=(claimer, executor, writer),
                                   name=f"batchery-model-{i}", daemon=True)
@@ -84,16 +114,6 @@ class Worker:
         self.stop.set()
         for thread in extra:
             thread.join()
-        claimer.join()
-        leftovers = [r for b in claimer.leftovers() for r in b.requests]
-        if leftovers:
-            _retrying(lambda: queue_.release([(r.id, r.token) for r in leftovers]))
-            leases.drop(r.id for r in leftovers)
-            log.info("returned %d prefetched request(s) to the queue", len(leftovers))
-        writer.close()
-        heartbeat.join()
-        _retrying(lambda: queue_.leave(self.id))
-        log.info("worker %s stopped after %d batches", self.id, self.batches_run)
 
     def _run_batches(self, claimer: Claimer, executor: Executor, writer: ResultWriter) -> None:
         """Take prepared batches and run them until stopped (one such loop per parallel batch)."""
@@ -109,19 +129,27 @@ class Worker:
                 writer.submit(executed)
                 with self._count_lock:
                     self.batches_run += 1
-                    self._tally(executed)
+                self._tally(executed)
         except BaseException:
             self.stop.set()  # a bug, not a failed batch (the executor catches those): stop all
             raise
 
     def _tally(self, executed: Executed) -> None:
-        ran = self.ran
-        ran["runs"] += len(executed.runs)
         for size, tokens, padded in executed.runs:
-            ran["requests"] += size
+            self.count(runs=1, requests=size, tokens=tokens, padded=padded)
+        self.count(claimed_ms=executed.claimed_ms)
+
+    def count(self, runs: int = 0, requests: int = 0, tokens: int = 0, padded: int = 0,
+              claimed_ms: int = 0) -> None:
+        """Add to what the heartbeat reports: model runs, requests finished, real and
+        padded tokens through the model, the last claim (Redis ms)."""
+        with self._count_lock:
+            ran = self.ran
+            ran["runs"] += runs
+            ran["requests"] += requests
             ran["tokens"] += tokens
             ran["padded"] += padded
-        ran["last_claim_ms"] = max(ran["last_claim_ms"], executed.claimed_ms)
+            ran["last_claim_ms"] = max(ran["last_claim_ms"], claimed_ms)
 
     def info(self) -> dict[str, Any]:
         """What the heartbeat reports for `batchery dashboard`."""

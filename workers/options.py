@@ -41,6 +41,11 @@ class WorkerOptions:
     oom_hold_s: float = 60.0
     # An idle worker wakes at least this often, also when no enqueue signals it.
     idle_poll_s: float = 1.0
+    # --task generate: prompt tokens prefilled per decode step; a longer prompt is prefilled
+    # in chunks between the running sequences' steps (0: at once). 256 tokens of a small
+    # model cost about one 32-row decode step on a CPU (bench/generate.py), so a long
+    # prompt at most doubles the running sequences' time per token while it is prefilled.
+    prefill_chunk_tokens: int = 256
     worker_id: str = field(default_factory=new_worker_id)
     # What it runs, as `batchery dashboard` shows it ("embed minilm", "mymodels:build").
     model: str = ""
@@ -54,6 +59,8 @@ class WorkerOptions:
             raise ConfigError(f"--max-wait-ms must be 0 or more, got {self.max_wait_ms}")
         if not 1 <= self.parallel_batches <= 64:
             raise ConfigError(f"--parallel-batches must be 1..64, got {self.parallel_batches}")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"--prefill-chunk-tokens must be 0 or more, got {self.prefill_chunk_tokens}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be at least 1, got {self.prefetch}")
 

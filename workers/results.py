@@ -108,15 +108,16 @@ class ResultWriter(threading.Thread):
             elif flag == 2:
                 metrics.DEAD_LETTERS.inc()
                 metrics.REQUESTS.labels(self.queue.name, o.request.priority, DEAD).inc()
+        lost = committed.count(False) + flags.count(0)
+        if lost:
+            log.warning("discarded %d result(s): this worker no longer held their lease", lost)
+        # before what follows: a heartbeat renewing meanwhile would count them as lost
+        self.leases.drop(o.request.id for o in executed.outcomes)
         if self.on_committed:
             try:
                 self.on_committed([o for o, ok in zip(final, committed) if ok])
             except Exception as exc:  # the results are in: what follows is best effort
                 log.warning("after committing %d result(s): %s", len(final), exc)
-        lost = committed.count(False) + flags.count(0)
-        if lost:
-            log.warning("discarded %d result(s): this worker no longer held their lease", lost)
-        self.leases.drop(o.request.id for o in executed.outcomes)
 
     def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
                 error: dict[str, str] | None = None) -> tuple[str, str]:

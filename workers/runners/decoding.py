@@ -3,8 +3,9 @@ between decode steps.
 
 The running sequences share one left-padded KV cache ``[rows, heads, length, dim]`` with
 an attention mask marking each row's real tokens, and each row keeps its own position
-counter, so padding never shifts a position. Newcomers are prefilled together, their
-cache left-padded to the running one's length (or the other way round) and stacked
+counter, so padding never shifts a position. Newcomers are prefilled together (a chunk of
+columns at a time if the worker asks: a long prompt then does not stall the running rows
+for its whole prefill), their cache left-padded to the running one's length (or the other way round) and stacked
 under it; finished rows are cut out, and the columns no row needs any more are trimmed
 from the left. Compute and memory follow the rows times the longest row, not a paged
 cache: what a CPU or one GPU running a small model needs, in about a hundred lines.
@@ -19,7 +20,7 @@ stop a sequence whose lease was lost, or count steps. The scheduling is the prod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,30 @@ class Sequence:
         """Tokens of KV cache it may come to hold: what the worker's budget counts."""
         return len(self.prompt_ids) + self.params.max_new_tokens
 
+    @property
+    def context(self) -> list[int]:
+        """What a prefill feeds: the prompt, and what it generated before it was preempted
+        (its next token comes out of that prefill, as out of a decode step)."""
+        return self.prompt_ids + self.generated
+
+
+@dataclass(eq=False)
+class Prefill:
+    """Newcomers being prefilled together, a chunk of columns at a time, in a cache of
+    their own until they join the running rows."""
+
+    seqs: list[Sequence]
+    ids: torch.Tensor        # [rows, width]: the contexts, left-padded
+    mask: torch.Tensor       # [rows, width]: 1 on real tokens
+    cache: DynamicCache
+    done: int = 0            # columns prefilled so far
+    chunks: int = 0          # forward passes it took, for logs and tests
+
+    @property
+    def left(self) -> int:
+        """Tokens still to prefill (columns x rows)."""
+        return (self.ids.shape[1] - self.done) * len(self.seqs)
+
 
 class DecodeBatch:
     """The sequences in flight and their shared cache; one forward pass per step."""
@@ -64,36 +89,50 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def add(self, seqs: list[Sequence]) -> list[int]:
-        """Prefill newcomers and stack them under the running rows; their first tokens."""
-        tokens, joined = self.prefill(seqs)
-        joined()
+        """Prefill newcomers at once and stack them under the running rows; their first tokens."""
+        prefill = self.start(seqs)
+        tokens = self.advance(prefill, 0)
+        assert tokens is not None
+        self.join(prefill, tokens)
         return tokens
 
-    @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> tuple[list[int], Callable[[], None]]:
-        """Prefill newcomers: their first tokens, and the call that stacks them under the
-        running rows (copying the cache: the first tokens can go out before it)."""
-        width = max(len(s.prompt_ids) for s in seqs)
-        ids = torch.tensor([[self.pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in seqs],
-                           device=self.device)
-        mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids)
-                             for s in seqs], device=self.device)
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for s in seqs:
-            s.generator = s.generator or new_generator(s.params)
-        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in seqs],
-                        [s.generator for s in seqs])
+    def start(self, seqs: list[Sequence]) -> Prefill:
+        """Newcomers to prefill (their contexts left-padded to the longest)."""
+        contexts = [s.context for s in seqs]
+        width = max(len(c) for c in contexts)
+        ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts],
+                            device=self.device)
+        return Prefill(seqs, ids, mask, DynamicCache(config=self.model.config))
 
-        @torch.inference_mode()
-        def joined() -> None:
-            self._stack(out.past_key_values, mask)
-            self.rows += seqs
-            self._pos = torch.cat([self._pos, mask.sum(dim=-1)])
-            self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
-        return tokens, joined
+    @torch.inference_mode()
+    def advance(self, p: Prefill, max_tokens: int) -> list[int] | None:
+        """Prefill the next chunk of ``p``: as many columns as keep it within ``max_tokens``
+        tokens (at least one; 0: all the rest). The newcomers' first tokens once their
+        contexts are all in, else None."""
+        rows, width = p.ids.shape
+        columns = width - p.done if max_tokens <= 0 else max(1, max_tokens // rows)
+        end = min(width, p.done + columns)
+        positions = (p.mask[:, :end].cumsum(dim=-1) - 1).clamp(min=0)[:, p.done:end]
+        out = self.model(input_ids=p.ids[:, p.done:end], attention_mask=p.mask[:, :end],
+                         position_ids=positions, past_key_values=p.cache, use_cache=True,
+                         logits_to_keep=1)
+        p.cache, p.done, p.chunks = out.past_key_values, end, p.chunks + 1
+        if end < width:
+            return None
+        for s in p.seqs:
+            s.generator = s.generator or new_generator(s.params)
+        return choose(out.logits[:, -1, :].float().cpu(), [s.params for s in p.seqs],
+                      [s.generator for s in p.seqs])
+
+    @torch.inference_mode()
+    def join(self, p: Prefill, tokens: list[int]) -> None:
+        """Stack a finished prefill under the running rows (copying the cache), each row
+        with ``tokens``, its next token, to feed."""
+        self._stack(p.cache, p.mask)
+        self.rows += p.seqs
+        self._pos = torch.cat([self._pos, p.mask.sum(dim=-1)])
+        self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
 
     @torch.inference_mode()
     def step(self) -> list[int]:
@@ -128,6 +167,18 @@ class DecodeBatch:
         for layer in self._layers(self._cache):
             layer.keys = layer.keys[index, :, first:]
             layer.values = layer.values[index, :, first:]
+
+    def shrink(self, p: Prefill, leaving: list[Sequence]) -> None:
+        """Cut rows out of a prefill under way."""
+        gone = {id(s) for s in leaving}
+        keep = [i for i, s in enumerate(p.seqs) if id(s) not in gone]
+        if len(keep) == len(p.seqs):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        p.seqs, p.ids, p.mask = [p.seqs[i] for i in keep], p.ids[index], p.mask[index]
+        for layer in self._layers(p.cache):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
 
     def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         if self._cache is None:
