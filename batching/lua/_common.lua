@@ -1,6 +1,13 @@
 -- Shared helpers, prepended to every script by batching/scripts.py.
 local rcall = redis.call
 
+-- The script's fixed keys by name: names[i] is KEYS[i], in the order its header lists.
+local function named_keys(names)
+  local K = {}
+  for i, name in ipairs(names) do K[name] = KEYS[i] end
+  return K
+end
+
 -- Milliseconds on the Redis clock: every process of a queue shares it, so ranks,
 -- leases and deadlines agree across machines whatever their clocks say.
 local function now_ms()
@@ -60,6 +67,13 @@ local function remember_reply(call_key, reply)
   return reply
 end
 
+-- Put a request back in pending at its original rank (it keeps its place), counting its
+-- class in `counts` for add_depth. s: its parsed sched entry.
+local function requeue(pending_key, id, s, counts)
+  rcall('ZADD', pending_key, s.rank, id)
+  counts[s.class] = (counts[s.class] or 0) + 1
+end
+
 -- Counts per priority class, applied with one HINCRBY each.
 local function add_depth(depth_key, counts)
   for class, n in pairs(counts) do
@@ -108,6 +122,14 @@ end
 local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
   rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
   if client then push_replies(reply_prefix, {[client] = {json}}, ttl) end
+end
+
+-- Dead-letter a request: commit its dead result, kept max(result_ttl, dead_ttl), and
+-- list it in `dead` (its request stays, for `batchery dead retry`, until the reaper
+-- forgets it after dead_ttl).
+local function dead_letter(dead_key, result_prefix, reply_prefix, id, client, json, ttl, dead_ttl, now)
+  commit_result(result_prefix, reply_prefix, id, client, json, math.max(ttl, dead_ttl))
+  rcall('ZADD', dead_key, now, id)
 end
 
 -- How each failed run of a request ended (the `history` hash): a JSON list of

@@ -26,9 +26,8 @@
 -- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
-local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
-           attempts = KEYS[5], leased = KEYS[6], owner = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], claim = KEYS[10]}
+local K = named_keys({'pending', 'delayed', 'sched', 'requests', 'attempts', 'leased',
+                      'owner', 'settings', 'depth', 'claim'})
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])

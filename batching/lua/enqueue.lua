@@ -28,9 +28,8 @@
 -- Idempotent: a call that accepted ids remembers its reply under KEYS[12] for 60 s; the
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
-local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
-           wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8],
-           dead = KEYS[9], attempts = KEYS[10], history = KEYS[11], call = KEYS[12]}
+local K = named_keys({'pending', 'requests', 'sched', 'settings', 'wake', 'depth',
+                      'delayed', 'stats', 'dead', 'attempts', 'history', 'call'})
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
