@@ -39,6 +39,11 @@ local function parse_sched(s)
           enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
 end
 
+-- The client field of a sched entry ('' for none), without parsing the rest.
+local function sched_client(s)
+  return string.match(s, '^[^:]*:[^:]*:[^:]*:[^:]*:[^:]*:(.*)$') or ''
+end
+
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
 local PAUSED_WAIT_MS = 1000
 
@@ -184,12 +189,14 @@ local function dead_error(history, failures, last)
           message = 'the worker running this request stopped renewing its lease' .. ended}
 end
 
--- Forget a request's working state (not its result).
+-- Forget a request's working state (not its result). attempts and history exist only
+-- while some request has failed: most calls find them absent and skip them.
 local function forget(keys, ids)
   call_chunked('HDEL', keys.requests, ids)
   call_chunked('HDEL', keys.sched, ids)
-  call_chunked('HDEL', keys.attempts, ids)
-  call_chunked('HDEL', keys.history, ids)
+  for _, key in ipairs({keys.attempts, keys.history}) do
+    if rcall('EXISTS', key) == 1 then call_chunked('HDEL', key, ids) end
+  end
   call_chunked('HDEL', keys.owner, ids)
   call_chunked('ZREM', keys.leased, ids)
 end

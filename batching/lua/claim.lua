@@ -34,8 +34,22 @@ local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local now = now_ms()
 
--- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for the ids still
--- leased to this token, the expired ones first.
+-- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
+-- expired ones first; scheds: their entries when the caller holds them already.
+local function reply_for(wait, out_ids, n_expired, scheds)
+  if #out_ids == 0 then return {now, wait, 0} end
+  local reply = {now, wait, n_expired}
+  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
+  local failures = {}  -- no attempts hash (nothing failed): false for each, unread
+  if rcall('EXISTS', K.attempts) == 1 then failures = rcall('HMGET', K.attempts, unpack(out_ids)) end
+  for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
+                           scheds or rcall('HMGET', K.sched, unpack(out_ids)), failures}) do
+    for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
+  end
+  return reply
+end
+
+-- A remembered claim's reply: the ids of its batch still leased to this token.
 local function leased_reply(wait, expired_ids, batch_ids)
   local out_ids, n_expired = {}, 0
   for part, list in ipairs({expired_ids, batch_ids}) do
@@ -46,14 +60,7 @@ local function leased_reply(wait, expired_ids, batch_ids)
       end
     end
   end
-  if #out_ids == 0 then return {now, wait, 0} end
-  local reply = {now, wait, n_expired}
-  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
-  for _, key in ipairs({K.requests, K.sched, K.attempts}) do
-    local values = rcall('HMGET', key, unpack(out_ids))
-    for n = 1, #out_ids do reply[#reply + 1] = values[n] end
-  end
-  return reply
+  return reply_for(wait, out_ids, n_expired)
 end
 
 local remembered = rcall('GET', K.claim)
@@ -80,12 +87,8 @@ if #due > 0 then
   call_chunked('ZREM', K.delayed, due)
 end
 
-local ranked = rcall('ZRANGE', K.pending, 0, lookahead - 1, 'WITHSCORES')
-local ids, ranks = {}, {}
-for i = 1, #ranked, 2 do
-  ids[#ids + 1] = ranked[i]
-  ranks[#ranks + 1] = tonumber(ranked[i + 1])
-end
+-- a candidate's rank is its pending score, and is in its sched entry too: read there
+local ids = rcall('ZRANGE', K.pending, 0, lookahead - 1)
 if #ids == 0 then
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
@@ -94,11 +97,14 @@ end
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
--- enqueue time); the taken ones are parsed whole.
+-- enqueue time); the taken ones' class is read once taken.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
+local head_enq
 for i, id in ipairs(ids) do
-  local mark, tokens, expire, enq
-  if scheds[i] then mark, tokens, expire, enq = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+):') end
+  local mark, tokens, expire, enq, rank
+  if scheds[i] then
+    mark, tokens, expire, enq, rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+):([^:]+):')
+  end
   if not tokens then
     orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
   elseif tonumber(expire) > 0 and tonumber(expire) <= now then
@@ -106,7 +112,8 @@ for i, id in ipairs(ids) do
   else
     live[#live + 1] = i
     lengths[#live] = tonumber(tokens)
-    delays[#live] = ranks[i] - tonumber(enq)
+    delays[#live] = tonumber(rank) - tonumber(enq)
+    head_enq = head_enq or tonumber(enq)
     if mark == '~' then estimated[#estimated + 1] = id end
   end
 end
@@ -130,15 +137,18 @@ if #live > 0 then
   local order, stride = {}, #live + 1
   local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
   local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
+  local sorted = true  -- all as long as the head and as urgent: in rank order already
   for j = 2, #live do
     local slower = delays[j] > delays[1]
     if fill_from_slower or not slower then
-      order[#order + 1] = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      local key = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      sorted = sorted and (#order == 0 or key > order[#order])
+      order[#order + 1] = key
     else
       rejected = true  -- room left empty on purpose: run now, do not hold the head
     end
   end
-  table.sort(order)
+  if not sorted then table.sort(order) end
   for _, key in ipairs(order) do
     if #chosen >= max_size then break end
     local j = (key % later) % stride
@@ -151,7 +161,7 @@ if #live > 0 then
     end
   end
   local full = rejected or #chosen >= max_size
-  local waited = now - parse_sched(scheds[live[1]]).enq
+  local waited = now - head_enq
   if not full and waited < max_wait then
     wait = max_wait - waited
   else
@@ -166,11 +176,11 @@ for _, i in ipairs(batch) do take[#take + 1] = i end
 if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
-local out_ids, zargs, oargs, counts = {}, {}, {}, {}
+local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
 local expired_ids, batch_ids = {}, {}
 for n, i in ipairs(take) do
-  local id, class = ids[i], parse_sched(scheds[i]).class
-  out_ids[n] = id
+  local id, class = ids[i], string.match(scheds[i], '^[^:]*:[^:]*:[^:]*:[^:]*:([^:]*):')
+  out_ids[n], out_scheds[n] = id, scheds[i]
   if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
   zargs[#zargs + 1] = now + lease_ms
   zargs[#zargs + 1] = id
@@ -185,4 +195,4 @@ add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
 rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
       'PX', lease_ms)
-return leased_reply(wait, expired_ids, batch_ids)
+return reply_for(wait, out_ids, #expired_ids, out_scheds)

@@ -27,7 +27,7 @@ for i = 1, n do
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
     rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
-    local client = scheds[i] and parse_sched(scheds[i]).client or ''
+    local client = scheds[i] and sched_client(scheds[i]) or ''
     if client ~= '' then
       replies[client] = replies[client] or {}
       table.insert(replies[client], json)
