@@ -23,6 +23,25 @@ local function call_chunked(cmd, key, args)
   end
 end
 
+-- HMGET in slices (see call_chunked): the values of `fields`, in order (false: none).
+local function hmget_chunked(key, fields)
+  local out, step = {}, 1000
+  for i = 1, #fields, step do
+    local values = rcall('HMGET', key, unpack(fields, i, math.min(i + step - 1, #fields)))
+    for n = 1, #values do out[#out + 1] = values[n] end
+  end
+  return out
+end
+
+-- How many of `keys` exist, in slices (see call_chunked).
+local function count_existing(keys)
+  local found, step = 0, 1000
+  for i = 1, #keys, step do
+    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, #keys)))
+  end
+  return found
+end
+
 -- A queue setting from its hash, else the default the caller passed.
 local function setting(settings_key, name, default)
   local v = rcall('HGET', settings_key, name)

@@ -97,23 +97,32 @@ end
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
--- enqueue time); the taken ones' class is read once taken.
+-- enqueue time); the taken ones' class is read once taken. This loop is most of a
+-- claim's time (lookahead candidates per batch): lengths and delays are converted once
+-- per distinct text (requests enqueued by one call share "enqueued:rank"), and a
+-- deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
-local head_enq
+local length_of, delay_of, head_enq = {}, {}, nil
 for i, id in ipairs(ids) do
-  local mark, tokens, expire, enq, rank
+  local mark, tokens, expire, enq_rank
   if scheds[i] then
-    mark, tokens, expire, enq, rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+):([^:]+):')
+    mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
   end
   if not tokens then
     orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
-  elseif tonumber(expire) > 0 and tonumber(expire) <= now then
+  elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
     expired[#expired + 1] = i
   else
     live[#live + 1] = i
-    lengths[#live] = tonumber(tokens)
-    delays[#live] = tonumber(rank) - tonumber(enq)
-    head_enq = head_enq or tonumber(enq)
+    local length, delay = length_of[tokens], delay_of[enq_rank]
+    if not length then length = tonumber(tokens); length_of[tokens] = length end
+    if not delay then
+      local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
+      delay = tonumber(rank) - tonumber(enq)
+      delay_of[enq_rank] = delay
+    end
+    lengths[#live], delays[#live] = length, delay
+    head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
     if mark == '~' then estimated[#estimated + 1] = id end
   end
 end
@@ -176,13 +185,14 @@ for _, i in ipairs(batch) do take[#take + 1] = i end
 if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
+local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
 local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
 local expired_ids, batch_ids = {}, {}
 for n, i in ipairs(take) do
   local id, class = ids[i], string.match(scheds[i], '^[^:]*:[^:]*:[^:]*:[^:]*:([^:]*):')
   out_ids[n], out_scheds[n] = id, scheds[i]
   if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
-  zargs[#zargs + 1] = now + lease_ms
+  zargs[#zargs + 1] = expiry
   zargs[#zargs + 1] = id
   oargs[#oargs + 1] = id
   oargs[#oargs + 1] = token
