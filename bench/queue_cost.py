@@ -3,7 +3,8 @@
 batchery: real ``batchery worker --runner bench.runners:noop`` processes (one, then two)
 and the real ``Client.map`` (results delivered to the caller), 100,000 requests end to
 end. The two-worker run also splits redis-server's time per request into enqueue, claim,
-complete and result delivery (bench/redis_time.py).
+complete and result delivery (bench/redis_time.py; its slow log adds a few us to that
+run's redis-server column).
 RQ: its fastest worker (``SimpleWorker``: no fork per job, JSON serializer), one job per
 request, enqueued in pipelined chunks; timed until its finished-job registry holds every
 job (the caller does not even fetch the results: lenient to RQ). RQ runs fewer requests
@@ -37,7 +38,9 @@ def run_batchery(url: str, n: int, max_batch_size: int, workers: int = 1,
             common.wait_until(lambda: client.queue.stats()["workers"] >= workers, 60, "the workers")
             pids = {"client": [None], "worker": [p.pid for p in procs], "redis": [common.redis_pid(url)]}
             cpu = {name: sum(map(common.cpu_seconds, ps)) for name, ps in pids.items()}
-            with RedisTime(url, queue) as redis_time:
+            # the slow log that splits Redis time by part costs Redis time itself: only
+            # the two-worker run pays it
+            with RedisTime(url, queue, enabled=workers > 1) as redis_time:
                 started = time.perf_counter()
                 results = client.map(range(n), max_in_flight=IN_FLIGHT)
                 seconds = time.perf_counter() - started
@@ -51,7 +54,7 @@ def run_batchery(url: str, n: int, max_batch_size: int, workers: int = 1,
             "seconds": seconds, "rps": n / seconds,
             "batch": totals.get("ok", n) / max(1, totals.get("batches", 1)),
             **{f"us_{name}": 1e6 * c / n for name, c in cpu.items()},
-            "redis_time": redis_time.report(n)}
+            "redis_time": redis_time.report(n) if workers > 1 else None}
 
 
 def run_rq(url: str, n: int, workers: int, queue: str = "rq-noop") -> dict[str, Any]:
