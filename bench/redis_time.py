@@ -12,6 +12,11 @@ without the reading and writing of its bytes, but with the slow log's own bookke
 any time the server was not scheduled (2 cores, shared with the client and workers): so
 each part's share of the command time is what is measured, and its CPU is that share of
 redis-server's CPU time.
+
+``python -m bench.redis_time [-n N] [--repeat R]`` measures the parts one at a time
+instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
+1024, lookahead 4096), completed and delivered, redis-server's CPU read around each
+part; the best of 3 runs (or of R).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import redis
 
 from batchery.batching import scripts
 from batchery.batching.keys import Keys
+from batchery.batching.messages import Request, Result
+from batchery.batching.queue import RequestQueue
 from bench import common
 
 # entries kept: a 100,000-request run logs about 800,000 (its ~1,500 top-level calls and
@@ -113,3 +120,64 @@ class RedisTime:
         if lost:
             text += "\n\n(the slow log filled up: the oldest calls are missing from the split)"
         return {"rows": rows, "commandstats": top, "us_redis": cpu_us, "table": text}
+
+
+def phases(url: str, n: int) -> dict[str, float]:
+    """redis-server CPU us per request of each part, run one after the other."""
+    conn = redis.Redis.from_url(url, decode_responses=True)
+    pid, queue = common.redis_pid(url), RequestQueue(conn, "phases")
+    conn.flushdb()  # a private server: each run starts empty
+    requests = [Request(id=f"r{i}", input=i) for i in range(n)]
+    used: dict[str, float] = {}
+
+    def timed(part: str, run: Any) -> Any:
+        before = common.cpu_seconds(pid)
+        out = run()
+        used[part] = 1e6 * (common.cpu_seconds(pid) - before) / n
+        return out
+
+    def claim_all() -> list[Any]:
+        claimed: list[Any] = []
+        while len(claimed) < n:
+            claimed += queue.claim(f"w#{len(claimed)}", 1024, 10**9, 0, 4096).batch
+        return claimed
+
+    def complete_all(claimed: list[Any]) -> None:
+        for lo in range(0, n, 1024):
+            part = claimed[lo:lo + 1024]
+            queue.complete([(c.id, c.token, Result(id=c.id, status="ok", attempts=1).to_json())
+                            for c in part], {"requests": len(part)}, [c.client for c in part])
+
+    def deliver() -> None:
+        got, key = 0, queue.keys.reply("bench")
+        while got < n:
+            conn.blpop([key], timeout=5)
+            got += 1 + len(conn.lpop(key, 1000) or [])
+
+    timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench") for lo in range(0, n, 500)])
+    claimed = timed("claim", claim_all)
+    timed("complete", lambda: complete_all(claimed))
+    timed("result delivery", deliver)
+    conn.close()
+    return used
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("-n", type=int, default=50_000, help="requests (default 50,000)")
+    args = p.parse_args(argv)
+    best: dict[str, float] = {}
+    with common.private_redis() as url:
+        for _ in range(args.repeat if args.repeat > 1 else 3):  # --repeat defaults to 1
+            for part, us in phases(url, args.n).items():
+                best[part] = min(best.get(part, float("inf")), us)
+    best["all"] = sum(best.values())
+    print(f"\nredis-server CPU, us per request, one part at a time ({args.n:,} requests, "
+          f"best run; {common.machine()}):\n")
+    print(common.table([{"part": k, "us": v} for k, v in best.items()],
+                       [("part", "part", ""), ("us", "us per request", ".1f")]))
+    return best
+
+
+if __name__ == "__main__":
+    main()
