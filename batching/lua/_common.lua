@@ -208,14 +208,13 @@ local function dead_error(history, failures, last)
           message = 'the worker running this request stopped renewing its lease' .. ended}
 end
 
--- Forget a request's working state (not its result). attempts and history exist only
--- while some request has failed: most calls find them absent and skip them.
+-- Forget a request's working state (not its result). (attempts and history are deleted
+-- from even when absent: the worker's least-privilege ACL in README.md has no EXISTS.)
 local function forget(keys, ids)
   call_chunked('HDEL', keys.requests, ids)
   call_chunked('HDEL', keys.sched, ids)
-  for _, key in ipairs({keys.attempts, keys.history}) do
-    if rcall('EXISTS', key) == 1 then call_chunked('HDEL', key, ids) end
-  end
+  call_chunked('HDEL', keys.attempts, ids)
+  call_chunked('HDEL', keys.history, ids)
   call_chunked('HDEL', keys.owner, ids)
   call_chunked('ZREM', keys.leased, ids)
 end

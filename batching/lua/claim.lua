@@ -40,10 +40,9 @@ local function reply_for(wait, out_ids, n_expired, scheds)
   if #out_ids == 0 then return {now, wait, 0} end
   local reply = {now, wait, n_expired}
   for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
-  local failures = {}  -- no attempts hash (nothing failed): false for each, unread
-  if rcall('EXISTS', K.attempts) == 1 then failures = rcall('HMGET', K.attempts, unpack(out_ids)) end
   for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
-                           scheds or rcall('HMGET', K.sched, unpack(out_ids)), failures}) do
+                           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
+                           rcall('HMGET', K.attempts, unpack(out_ids))}) do
     for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
   end
   return reply
