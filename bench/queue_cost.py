@@ -1,7 +1,10 @@
 """Queue cost: a no-op model, so all that is measured is getting requests through.
 
-batchery: one real ``batchery worker --runner bench.runners:noop`` process and the real
-``Client.map`` (results delivered to the caller), 100,000 requests end to end.
+batchery: real ``batchery worker --runner bench.runners:noop`` processes (one, then two)
+and the real ``Client.map`` (results delivered to the caller), 100,000 requests end to
+end. The two-worker run also splits redis-server's time per request into enqueue, claim,
+complete and result delivery (bench/redis_time.py; its slow log adds a few us to that
+run's redis-server column).
 RQ: its fastest worker (``SimpleWorker``: no fork per job, JSON serializer), one job per
 request, enqueued in pipelined chunks; timed until its finished-job registry holds every
 job (the caller does not even fetch the results: lenient to RQ). RQ runs fewer requests
@@ -20,30 +23,38 @@ import redis
 
 from batchery import Client
 from bench import common
+from bench.redis_time import RedisTime
 
 RQ_CHUNK = 1000
 
 
-def run_batchery(url: str, n: int, max_batch_size: int, queue: str = "noop") -> dict[str, Any]:
-    worker = common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
+def run_batchery(url: str, n: int, max_batch_size: int, workers: int = 1,
+                 queue: str = "noop") -> dict[str, Any]:
+    procs = [common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
                                     "--max-batch-size", str(max_batch_size), "--max-wait-ms", "0")
+             for _ in range(workers)]
     try:
         with Client(url, queue) as client:
-            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
-            pids = {"client": None, "worker": worker.pid, "redis": common.redis_pid(url)}
-            cpu = {name: common.cpu_seconds(pid) for name, pid in pids.items()}
-            started = time.perf_counter()
-            results = client.map(range(n), max_in_flight=IN_FLIGHT)
-            seconds = time.perf_counter() - started
-            cpu = {name: common.cpu_seconds(pid) - cpu[name] for name, pid in pids.items()}
+            common.wait_until(lambda: client.queue.stats()["workers"] >= workers, 60, "the workers")
+            pids = {"client": [None], "worker": [p.pid for p in procs], "redis": [common.redis_pid(url)]}
+            cpu = {name: sum(map(common.cpu_seconds, ps)) for name, ps in pids.items()}
+            # the slow log that splits Redis time by part costs Redis time itself: only
+            # the two-worker run pays it
+            with RedisTime(url, queue, enabled=workers > 1) as redis_time:
+                started = time.perf_counter()
+                results = client.map(range(n), max_in_flight=IN_FLIGHT)
+                seconds = time.perf_counter() - started
+            cpu = {name: sum(map(common.cpu_seconds, ps)) - cpu[name] for name, ps in pids.items()}
             totals = client.queue.stats()["totals"]
     finally:
-        common.stop([worker])
+        common.stop(procs)
     ok = sum(1 for r in results if r.ok)
     assert ok == n, f"batchery: {ok} of {n} ok"
-    return {"system": "batchery, 1 worker", "requests": n, "seconds": seconds,
-            "rps": n / seconds, "batch": totals.get("ok", n) / max(1, totals.get("batches", 1)),
-            **{f"us_{name}": 1e6 * c / n for name, c in cpu.items()}}
+    return {"system": f"batchery, {workers} worker{'s' if workers > 1 else ''}", "requests": n,
+            "seconds": seconds, "rps": n / seconds,
+            "batch": totals.get("ok", n) / max(1, totals.get("batches", 1)),
+            **{f"us_{name}": 1e6 * c / n for name, c in cpu.items()},
+            "redis_time": redis_time.report(n) if workers > 1 else None}
 
 
 def run_rq(url: str, n: int, workers: int, queue: str = "rq-noop") -> dict[str, Any]:
@@ -98,13 +109,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             common.log(f"queue cost: batchery, {n:,} no-op requests ...")
             rows.append(run_batchery(url, n, args.max_batch_size))
             redis.Redis.from_url(url).flushall()
+            common.log(f"queue cost: batchery, {n:,} no-op requests, 2 workers ...")
+            rows.append(run_batchery(url, n, args.max_batch_size, workers=2))
+            redis.Redis.from_url(url).flushall()
     rq_best = max(r["rps"] for r in rows if r["system"].startswith("RQ"))
-    ours = max((r for r in rows if not r["system"].startswith("RQ")), key=lambda r: r["rps"])
+    mine = [r for r in rows if not r["system"].startswith("RQ")]
+    ours = max(mine, key=lambda r: r["rps"])
     for r in rows:
         r["ratio"] = r["rps"] / rq_best
-    ours["us_total"] = ours["us_client"] + ours["us_worker"] + ours["us_redis"]
-    ours["ceiling"] = common.CORES * 1e6 / ours["us_total"]
-    text = common.table(rows, COLUMNS) + "\n\n" + common.table([ours], CPU_COLUMNS)
+    for r in mine:
+        r["us_total"] = r["us_client"] + r["us_worker"] + r["us_redis"]
+        r["ceiling"] = common.CORES * 1e6 / r["us_total"]
+    # the split of redis-server's time: the fastest two-worker run
+    profiled = max((r for r in mine if "2 workers" in r["system"]), key=lambda r: r["rps"])
+    text = (common.table(rows, COLUMNS) + "\n\n" + common.table(mine, CPU_COLUMNS)
+            + f"\n\nRedis time per request ({profiled['system']}, {n:,} requests):\n\n"
+            + profiled["redis_time"]["table"])
     checks = [f"no-op requests/s: {ours['rps']:,.0f} (target >= 100,000): "
               f"{'met' if ours['rps'] >= 100_000 else 'MISSED'}",
               f"no-op x RQ: {ours['ratio']:.0f} (target >= 200): "

@@ -1,6 +1,13 @@
 -- Shared helpers, prepended to every script by batching/scripts.py.
 local rcall = redis.call
 
+-- The script's fixed keys by name: names[i] is KEYS[i], in the order its header lists.
+local function named_keys(names)
+  local K = {}
+  for i, name in ipairs(names) do K[name] = KEYS[i] end
+  return K
+end
+
 -- Milliseconds on the Redis clock: every process of a queue shares it, so ranks,
 -- leases and deadlines agree across machines whatever their clocks say.
 local function now_ms()
@@ -14,6 +21,25 @@ local function call_chunked(cmd, key, args)
   for i = 1, #args, step do
     rcall(cmd, key, unpack(args, i, math.min(i + step - 1, #args)))
   end
+end
+
+-- HMGET in slices (see call_chunked): the values of `fields`, in order (false: none).
+local function hmget_chunked(key, fields)
+  local out, step = {}, 1000
+  for i = 1, #fields, step do
+    local values = rcall('HMGET', key, unpack(fields, i, math.min(i + step - 1, #fields)))
+    for n = 1, #values do out[#out + 1] = values[n] end
+  end
+  return out
+end
+
+-- How many of `keys` exist, in slices (see call_chunked).
+local function count_existing(keys)
+  local found, step = 0, 1000
+  for i = 1, #keys, step do
+    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, #keys)))
+  end
+  return found
 end
 
 -- A queue setting from its hash, else the default the caller passed.
@@ -30,6 +56,11 @@ local function parse_sched(s)
     string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):(.*)$')
   return {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
           enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
+end
+
+-- The client field of a sched entry ('' for none), without parsing the rest.
+local function sched_client(s)
+  return string.match(s, '^[^:]*:[^:]*:[^:]*:[^:]*:[^:]*:(.*)$') or ''
 end
 
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
@@ -58,6 +89,13 @@ local function remember_reply(call_key, reply)
   for i, v in ipairs(reply) do parts[i] = fmt_int(v) end
   rcall('SET', call_key, table.concat(parts, ','), 'EX', CALL_MEMORY_S)
   return reply
+end
+
+-- Put a request back in pending at its original rank (it keeps its place), counting its
+-- class in `counts` for add_depth. s: its parsed sched entry.
+local function requeue(pending_key, id, s, counts)
+  rcall('ZADD', pending_key, s.rank, id)
+  counts[s.class] = (counts[s.class] or 0) + 1
 end
 
 -- Counts per priority class, applied with one HINCRBY each.
@@ -108,6 +146,14 @@ end
 local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
   rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
   if client then push_replies(reply_prefix, {[client] = {json}}, ttl) end
+end
+
+-- Dead-letter a request: commit its dead result, kept max(result_ttl, dead_ttl), and
+-- list it in `dead` (its request stays, for `batchery dead retry`, until the reaper
+-- forgets it after dead_ttl).
+local function dead_letter(dead_key, result_prefix, reply_prefix, id, client, json, ttl, dead_ttl, now)
+  commit_result(result_prefix, reply_prefix, id, client, json, math.max(ttl, dead_ttl))
+  rcall('ZADD', dead_key, now, id)
 end
 
 -- How each failed run of a request ended (the `history` hash): a JSON list of
@@ -162,7 +208,8 @@ local function dead_error(history, failures, last)
           message = 'the worker running this request stopped renewing its lease' .. ended}
 end
 
--- Forget a request's working state (not its result).
+-- Forget a request's working state (not its result). (attempts and history are deleted
+-- from even when absent: the worker's least-privilege ACL in README.md has no EXISTS.)
 local function forget(keys, ids)
   call_chunked('HDEL', keys.requests, ids)
   call_chunked('HDEL', keys.sched, ids)

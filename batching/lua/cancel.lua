@@ -9,9 +9,8 @@
 --   result will be discarded); 3 cancelled already (its result says so: an earlier
 --   cancel, or this very call retried after its reply was lost); 0 not cancellable
 --   (finished otherwise, dead or unknown).
-local K = {pending = KEYS[1], delayed = KEYS[2], leased = KEYS[3], owner = KEYS[4],
-           requests = KEYS[5], sched = KEYS[6], attempts = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], stats = KEYS[10], history = KEYS[11]}
+local K = named_keys({'pending', 'delayed', 'leased', 'owner', 'requests', 'sched',
+                      'attempts', 'settings', 'depth', 'stats', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local flags, counts, gone = {}, {}, {}

@@ -26,17 +26,29 @@
 -- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
-local K = {pending = KEYS[1], delayed = KEYS[2], sched = KEYS[3], requests = KEYS[4],
-           attempts = KEYS[5], leased = KEYS[6], owner = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], claim = KEYS[10]}
+local K = named_keys({'pending', 'delayed', 'sched', 'requests', 'attempts', 'leased',
+                      'owner', 'settings', 'depth', 'claim'})
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local now = now_ms()
 
--- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for the ids still
--- leased to this token, the expired ones first.
+-- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
+-- expired ones first; scheds: their entries when the caller holds them already.
+local function reply_for(wait, out_ids, n_expired, scheds)
+  if #out_ids == 0 then return {now, wait, 0} end
+  local reply = {now, wait, n_expired}
+  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
+  for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
+                           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
+                           rcall('HMGET', K.attempts, unpack(out_ids))}) do
+    for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
+  end
+  return reply
+end
+
+-- A remembered claim's reply: the ids of its batch still leased to this token.
 local function leased_reply(wait, expired_ids, batch_ids)
   local out_ids, n_expired = {}, 0
   for part, list in ipairs({expired_ids, batch_ids}) do
@@ -47,14 +59,7 @@ local function leased_reply(wait, expired_ids, batch_ids)
       end
     end
   end
-  if #out_ids == 0 then return {now, wait, 0} end
-  local reply = {now, wait, n_expired}
-  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
-  for _, key in ipairs({K.requests, K.sched, K.attempts}) do
-    local values = rcall('HMGET', key, unpack(out_ids))
-    for n = 1, #out_ids do reply[#reply + 1] = values[n] end
-  end
-  return reply
+  return reply_for(wait, out_ids, n_expired)
 end
 
 local remembered = rcall('GET', K.claim)
@@ -81,12 +86,8 @@ if #due > 0 then
   call_chunked('ZREM', K.delayed, due)
 end
 
-local ranked = rcall('ZRANGE', K.pending, 0, lookahead - 1, 'WITHSCORES')
-local ids, ranks = {}, {}
-for i = 1, #ranked, 2 do
-  ids[#ids + 1] = ranked[i]
-  ranks[#ranks + 1] = tonumber(ranked[i + 1])
-end
+-- a candidate's rank is its pending score, and is in its sched entry too: read there
+local ids = rcall('ZRANGE', K.pending, 0, lookahead - 1)
 if #ids == 0 then
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
@@ -95,19 +96,32 @@ end
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
--- enqueue time); the taken ones are parsed whole.
+-- enqueue time); the taken ones' class is read once taken. This loop is most of a
+-- claim's time (lookahead candidates per batch): lengths and delays are converted once
+-- per distinct text (requests enqueued by one call share "enqueued:rank"), and a
+-- deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
+local length_of, delay_of, head_enq = {}, {}, nil
 for i, id in ipairs(ids) do
-  local mark, tokens, expire, enq
-  if scheds[i] then mark, tokens, expire, enq = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+):') end
+  local mark, tokens, expire, enq_rank
+  if scheds[i] then
+    mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
+  end
   if not tokens then
     orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
-  elseif tonumber(expire) > 0 and tonumber(expire) <= now then
+  elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
     expired[#expired + 1] = i
   else
     live[#live + 1] = i
-    lengths[#live] = tonumber(tokens)
-    delays[#live] = ranks[i] - tonumber(enq)
+    local length, delay = length_of[tokens], delay_of[enq_rank]
+    if not length then length = tonumber(tokens); length_of[tokens] = length end
+    if not delay then
+      local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
+      delay = tonumber(rank) - tonumber(enq)
+      delay_of[enq_rank] = delay
+    end
+    lengths[#live], delays[#live] = length, delay
+    head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
     if mark == '~' then estimated[#estimated + 1] = id end
   end
 end
@@ -131,15 +145,18 @@ if #live > 0 then
   local order, stride = {}, #live + 1
   local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
   local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
+  local sorted = true  -- all as long as the head and as urgent: in rank order already
   for j = 2, #live do
     local slower = delays[j] > delays[1]
     if fill_from_slower or not slower then
-      order[#order + 1] = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      local key = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      sorted = sorted and (#order == 0 or key > order[#order])
+      order[#order + 1] = key
     else
       rejected = true  -- room left empty on purpose: run now, do not hold the head
     end
   end
-  table.sort(order)
+  if not sorted then table.sort(order) end
   for _, key in ipairs(order) do
     if #chosen >= max_size then break end
     local j = (key % later) % stride
@@ -152,7 +169,7 @@ if #live > 0 then
     end
   end
   local full = rejected or #chosen >= max_size
-  local waited = now - parse_sched(scheds[live[1]]).enq
+  local waited = now - head_enq
   if not full and waited < max_wait then
     wait = max_wait - waited
   else
@@ -167,13 +184,14 @@ for _, i in ipairs(batch) do take[#take + 1] = i end
 if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
-local out_ids, zargs, oargs, counts = {}, {}, {}, {}
+local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
+local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
 local expired_ids, batch_ids = {}, {}
 for n, i in ipairs(take) do
-  local id, class = ids[i], parse_sched(scheds[i]).class
-  out_ids[n] = id
+  local id, class = ids[i], string.match(scheds[i], '^[^:]*:[^:]*:[^:]*:[^:]*:([^:]*):')
+  out_ids[n], out_scheds[n] = id, scheds[i]
   if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
-  zargs[#zargs + 1] = now + lease_ms
+  zargs[#zargs + 1] = expiry
   zargs[#zargs + 1] = id
   oargs[#oargs + 1] = id
   oargs[#oargs + 1] = token
@@ -186,4 +204,4 @@ add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
 rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
       'PX', lease_ms)
-return leased_reply(wait, expired_ids, batch_ids)
+return reply_for(wait, out_ids, #expired_ids, out_scheds)

@@ -9,8 +9,8 @@
 --   lease (it expired and was taken over, or the request was cancelled).
 -- A replay (the connection retried after the reply was lost) finds its own result
 -- stored already: reported 1 again, and the totals are not added twice.
-local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
-           owner = KEYS[5], settings = KEYS[6], stats = KEYS[7], history = KEYS[8]}
+local K = named_keys({'requests', 'sched', 'attempts', 'leased', 'owner', 'settings',
+                      'stats', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local n = (#ARGV - 4) / 3
@@ -27,7 +27,7 @@ for i = 1, n do
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
     rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
-    local client = scheds[i] and parse_sched(scheds[i]).client or ''
+    local client = scheds[i] and sched_client(scheds[i]) or ''
     if client ~= '' then
       replies[client] = replies[client] or {}
       table.insert(replies[client], json)

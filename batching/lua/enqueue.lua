@@ -28,9 +28,8 @@
 -- Idempotent: a call that accepted ids remembers its reply under KEYS[12] for 60 s; the
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
-local K = {pending = KEYS[1], requests = KEYS[2], sched = KEYS[3], settings = KEYS[4],
-           wake = KEYS[5], depth = KEYS[6], delayed = KEYS[7], stats = KEYS[8],
-           dead = KEYS[9], attempts = KEYS[10], history = KEYS[11], call = KEYS[12]}
+local K = named_keys({'pending', 'requests', 'sched', 'settings', 'wake', 'depth',
+                      'delayed', 'stats', 'dead', 'attempts', 'history', 'call'})
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
@@ -78,10 +77,19 @@ end
 local n = (#ARGV - 6) / 5
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
 -- longer blocks its id: its leftovers are dropped and the id runs afresh.
+-- Two reads for the whole call, not two per request: how many have a result (none, on a
+-- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
-local function known(id)
-  if seen[id] or rcall('EXISTS', result_key(result_prefix, id)) == 1 then return true end
-  if rcall('HEXISTS', K.requests, id) == 0 then return false end
+local ids, result_keys = {}, {}
+for i = 1, n do
+  ids[i] = ARGV[6 + (i - 1) * 5 + 1]
+  result_keys[i] = result_key(result_prefix, ids[i])
+end
+local some_results = n > 0 and count_existing(result_keys) > 0
+local held = n > 0 and hmget_chunked(K.requests, ids) or {}
+local function known(i, id)
+  if seen[id] or (some_results and rcall('EXISTS', result_keys[i]) == 1) then return true end
+  if not held[i] then return false end
   if rcall('ZSCORE', K.dead, id) then
     stale[#stale + 1] = id
     return false
@@ -91,7 +99,7 @@ end
 for i = 1, n do
   local base = 6 + (i - 1) * 5
   local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
-  if known(id) then
+  if known(i, id) then
     status[i] = 0  -- known already, or earlier in this call: the first one stands
   else
     seen[id] = true
@@ -111,24 +119,35 @@ if fresh > 0 then
 end
 
 local now = now_ms()
+local now_s = fmt_int(now)
+-- what one priority writes, formatted once per call: its rank, the tail of its sched
+-- entry (":enqueued_ms:rank:class:client") and its class
+local by_priority = {}
+local function written(priority)
+  local w = by_priority[priority]
+  if not w then
+    local delay, class = delay_of(priority)
+    class = class or class_of(delay)
+    local rank = fmt_int(now + delay)
+    w = {rank = rank, tail = table.concat({'', now_s, rank, class, client}, ':'), class = class}
+    by_priority[priority] = w
+  end
+  return w
+end
 local zargs, hargs, sargs, counts = {}, {}, {}, {}
 for i = 1, n do
   if status[i] == 1 then
     local base = 6 + (i - 1) * 5
-    local id, priority = ARGV[base + 1], ARGV[base + 2]
+    local id, w = ARGV[base + 1], written(ARGV[base + 2])
     local deadline = tonumber(ARGV[base + 4])
-    local delay, class = delay_of(priority)
-    class = class or class_of(delay)
-    local rank = now + delay
-    local expire = deadline > 0 and now + deadline or 0
-    zargs[#zargs + 1] = rank
+    local expire = deadline > 0 and fmt_int(now + deadline) or '0'
+    zargs[#zargs + 1] = w.rank
     zargs[#zargs + 1] = id
     hargs[#hargs + 1] = id
     hargs[#hargs + 1] = ARGV[base + 5]
     sargs[#sargs + 1] = id
-    sargs[#sargs + 1] = table.concat({ARGV[base + 3], fmt_int(expire), fmt_int(now),
-                                      fmt_int(rank), class, client}, ':')
-    counts[class] = (counts[class] or 0) + 1
+    sargs[#sargs + 1] = ARGV[base + 3] .. ':' .. expire .. w.tail
+    counts[w.class] = (counts[w.class] or 0) + 1
   end
 end
 if fresh > 0 then

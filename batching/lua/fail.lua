@@ -16,9 +16,8 @@
 -- Idempotent: a call that retried or dead-lettered an id remembers its reply under
 -- KEYS[12] for 60 s; the same call again (the connection retried after a lost reply)
 -- gets that reply back, not 0 for the leases its first run released.
-local K = {requests = KEYS[1], sched = KEYS[2], attempts = KEYS[3], leased = KEYS[4],
-           owner = KEYS[5], delayed = KEYS[6], dead = KEYS[7], settings = KEYS[8],
-           depth = KEYS[9], stats = KEYS[10], history = KEYS[11], call = KEYS[12]}
+local K = named_keys({'requests', 'sched', 'attempts', 'leased', 'owner', 'delayed',
+                      'dead', 'settings', 'depth', 'stats', 'history', 'call'})
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
@@ -50,8 +49,7 @@ for i = 1, (#ARGV - 7) / 3 do
         result.error = dead_error(history, failures, ending)
         json = cjson.encode(result)
       end
-      commit_result(result_prefix, reply_prefix, id, s.client or '', json, math.max(ttl, dead_ttl))
-      rcall('ZADD', K.dead, now, id)
+      dead_letter(K.dead, result_prefix, reply_prefix, id, s.client or '', json, ttl, dead_ttl, now)
       flags[i], dead = 2, dead + 1
     else
       local wait = math.min(cap_ms, base_ms * math.pow(2, failures - 1))

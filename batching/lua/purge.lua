@@ -5,8 +5,8 @@
 -- ARGV[2..] ids (any string, '*' included, is one id)
 -- Their dead results stay readable until the result TTL.
 -- Returns the number purged.
-local K = {dead = KEYS[1], requests = KEYS[2], sched = KEYS[3], attempts = KEYS[4],
-           owner = KEYS[5], leased = KEYS[6], history = KEYS[7]}
+local K = named_keys({'dead', 'requests', 'sched', 'attempts', 'owner', 'leased',
+                      'history'})
 local ids = {}
 if ARGV[1] == '1' then ids = rcall('ZRANGE', K.dead, 0, -1) else
   for i = 2, #ARGV do

@@ -16,9 +16,8 @@
 -- Dead letters older than dead_ttl are forgotten (up to ARGV[5] of them): their working
 -- state and their `dead` entry go, so the id may be enqueued afresh.
 -- Returns {requeued, dead, forgotten, undeclared pairs: id, client ...}.
-local K = {leased = KEYS[1], owner = KEYS[2], attempts = KEYS[3], pending = KEYS[4],
-           sched = KEYS[5], dead = KEYS[6], settings = KEYS[7], depth = KEYS[8],
-           stats = KEYS[9], requests = KEYS[10], history = KEYS[11]}
+local K = named_keys({'leased', 'owner', 'attempts', 'pending', 'sched', 'dead',
+                      'settings', 'depth', 'stats', 'requests', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
@@ -45,12 +44,10 @@ local function lapse(id, s)
       error = dead_error(history, failures, nil),
       attempts = failures, worker = cjson.null, batch_size = cjson.null,
       queued_ms = now - s.enq, run_ms = cjson.null})
-    commit_result(result_prefix, reply_prefix, id, s.client, json, math.max(ttl, dead_ttl))
-    rcall('ZADD', K.dead, now, id)
+    dead_letter(K.dead, result_prefix, reply_prefix, id, s.client, json, ttl, dead_ttl, now)
     dead = dead + 1
   else
-    rcall('ZADD', K.pending, s.rank, id)
-    counts[s.class] = (counts[s.class] or 0) + 1
+    requeue(K.pending, id, s, counts)
     requeued = requeued + 1
   end
   return true

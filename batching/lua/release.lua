@@ -3,7 +3,7 @@
 -- ARGV[1..] pairs: id, lease token
 -- Each still held by that token returns to pending at its original rank.
 -- Returns the number released.
-local K = {leased = KEYS[1], owner = KEYS[2], pending = KEYS[3], sched = KEYS[4], depth = KEYS[5]}
+local K = named_keys({'leased', 'owner', 'pending', 'sched', 'depth'})
 local released, counts = 0, {}
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]
@@ -12,8 +12,7 @@ for i = 1, #ARGV, 2 do
     local s = parse_sched(raw)
     rcall('HDEL', K.owner, id)
     rcall('ZREM', K.leased, id)
-    rcall('ZADD', K.pending, s.rank, id)
-    counts[s.class] = (counts[s.class] or 0) + 1
+    requeue(K.pending, id, s, counts)
     released = released + 1
   end
 end

@@ -4,7 +4,7 @@
 -- ARGV[3..] pairs: id, lease token
 -- Returns the ids whose lease this worker no longer holds (taken over or cancelled):
 -- the worker must not expect to commit them.
-local K = {leased = KEYS[1], owner = KEYS[2], settings = KEYS[3], workers = KEYS[4]}
+local K = named_keys({'leased', 'owner', 'settings', 'workers'})
 local now = now_ms()
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[2])) * 1000)
 rcall('ZADD', K.workers, now, ARGV[1])

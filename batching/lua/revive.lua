@@ -7,8 +7,8 @@
 -- Each gets a fresh attempt count and history, and its original rank, so it runs soon;
 -- its dead result is deleted so that the new run commits the one result.
 -- Returns the number revived.
-local K = {dead = KEYS[1], pending = KEYS[2], sched = KEYS[3], attempts = KEYS[4],
-           depth = KEYS[5], requests = KEYS[6], history = KEYS[7]}
+local K = named_keys({'dead', 'pending', 'sched', 'attempts', 'depth', 'requests',
+                      'history'})
 local revived, counts = 0, {}
 for i = 2, #ARGV do
   local id = ARGV[i]
@@ -18,8 +18,7 @@ for i = 2, #ARGV do
     rcall('HDEL', K.attempts, id)
     rcall('HDEL', K.history, id)
     rcall('DEL', result_key(ARGV[1], id))
-    rcall('ZADD', K.pending, s.rank, id)
-    counts[s.class] = (counts[s.class] or 0) + 1
+    requeue(K.pending, id, s, counts)
     revived = revived + 1
   end
 end

@@ -1,0 +1,183 @@
+"""Where redis-server's time goes during a run, per request: enqueue, claim, complete,
+result delivery, the rest.
+
+Two sources, read around the run: the server's CPU time (``/proc``: commands, protocol,
+network and event loop together) and its command timings. ``INFO commandstats`` sums the
+time of each command (EVALSHA as one, every command a script calls counted again under
+its own name), so it cannot say which script spent it; the slow log at a threshold of 0
+records every call with its duration and arguments (the script's SHA among them), which
+splits EVALSHA by script (the commands a script calls are logged too, under no client
+address: left out, their time is their EVALSHA's). Both time a command by the wall clock,
+without the reading and writing of its bytes, but with the slow log's own bookkeeping and
+any time the server was not scheduled (2 cores, shared with the client and workers): so
+each part's share of the command time is what is measured, and its CPU is that share of
+redis-server's CPU time.
+
+``python -m bench.redis_time [-n N] [--repeat R]`` measures the parts one at a time
+instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
+1024, lookahead 4096), completed and delivered, redis-server's CPU read around each
+part; the best of 3 runs (or of R).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import redis
+
+from batchery.batching import scripts
+from batchery.batching.keys import Keys
+from batchery.batching.messages import Request, Result
+from batchery.batching.queue import RequestQueue
+from bench import common
+
+# entries kept: a 100,000-request run logs about 800,000 (its ~1,500 top-level calls and
+# every command the scripts call), some 200 MB of redis-server memory until read
+SLOWLOG_MAX = 2_000_000
+PARTS = ("enqueue", "claim", "complete", "result delivery", "other commands")
+COLUMNS = [("part", "part", ""), ("calls", "calls", ",d"), ("share", "share of command time", ".0%"),
+           ("us", "redis-server CPU, us per request", ".2f")]
+TOP_COLUMNS = [("command", "command (INFO commandstats)", ""), ("calls", "calls", ",d"),
+               ("us", "command time, us per request", ".2f")]
+SCRIPT_CLIENT = b"?:0"  # the slow log's client address for commands a script calls
+SCRIPT_PARTS = {"enqueue": "enqueue", "claim": "claim", "reprice": "claim",
+                "complete": "complete"}
+
+
+class RedisTime:
+    """Measure one run: ``with RedisTime(url, queue) as rt: ...`` then ``rt.report(n)``."""
+
+    def __init__(self, url: str, queue: str, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.conn = redis.Redis.from_url(url, decode_responses=True)
+        self.pid = common.redis_pid(url)
+        self.reply_prefix = Keys(queue).reply_prefix
+        self.result_prefix = Keys(queue).result_prefix
+        self.by_sha = {hashlib.sha1(scripts.source(name).encode()).hexdigest(): name
+                       for name in scripts.NAMES}
+
+    def __enter__(self) -> "RedisTime":
+        if not self.enabled:
+            return self
+        self.saved = self.conn.config_get("slowlog-*")
+        self.conn.config_set("slowlog-max-len", SLOWLOG_MAX)
+        self.conn.config_set("slowlog-log-slower-than", 0)
+        self.conn.slowlog_reset()
+        self.conn.config_resetstat()
+        self.cpu = common.cpu_seconds(self.pid)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            self.conn.close()
+            return
+        self.cpu = common.cpu_seconds(self.pid) - self.cpu
+        self.commandstats = self.conn.info("commandstats")
+        self.entries = self.conn.execute_command("SLOWLOG", "GET", SLOWLOG_MAX)
+        for name, value in self.saved.items():
+            self.conn.config_set(name, value)
+        self.conn.slowlog_reset()
+        self.conn.close()
+
+    def part(self, args: list[str]) -> str | None:
+        """Which part of a request's life a top-level command served (None: the bench's
+        own reads)."""
+        command = args[0].lower()
+        if command in ("slowlog", "config", "info"):
+            return None
+        if command == "evalsha":
+            return SCRIPT_PARTS.get(self.by_sha.get(args[1], ""), "other commands")
+        keys = args[1:]
+        if any(k.startswith((self.reply_prefix, self.result_prefix)) for k in keys):
+            return "result delivery"  # the client's reply-list pops and result reads
+        return "other commands"
+
+    def report(self, n: int) -> dict[str, Any]:
+        """Microseconds of redis-server per request, by part, and the costliest commands."""
+        usec = dict.fromkeys(PARTS, 0.0)
+        calls = dict.fromkeys(PARTS, 0)
+        logged = 0.0
+        for entry in self.entries:
+            if entry[4] in (SCRIPT_CLIENT, SCRIPT_CLIENT.decode()):
+                continue  # a command a script called: inside its EVALSHA's time already
+            args = [a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in entry[3]]
+            part = self.part(args)
+            if part:
+                usec[part] += int(entry[2])
+                calls[part] += 1
+                logged += int(entry[2])
+        cpu_us = self.cpu * 1e6 / n
+        rows = [{"part": p, "calls": calls[p], "share": usec[p] / max(1.0, logged),
+                 "us": cpu_us * usec[p] / max(1.0, logged)} for p in PARTS]
+        rows.append({"part": "all (/proc)", "calls": sum(calls.values()), "share": 1.0, "us": cpu_us})
+        stats = sorted(((name.removeprefix("cmdstat_"), s) for name, s in self.commandstats.items()
+                        if not name.startswith(("cmdstat_slowlog", "cmdstat_config", "cmdstat_info"))),
+                       key=lambda item: -item[1]["usec"])
+        top = [{"command": name, "calls": int(s["calls"]), "us": s["usec"] / n} for name, s in stats[:10]]
+        lost = len(self.entries) >= SLOWLOG_MAX
+        text = common.table(rows, COLUMNS) + "\n\n" + common.table(top, TOP_COLUMNS)
+        if lost:
+            text += "\n\n(the slow log filled up: the oldest calls are missing from the split)"
+        return {"rows": rows, "commandstats": top, "us_redis": cpu_us, "table": text}
+
+
+def phases(url: str, n: int) -> dict[str, float]:
+    """redis-server CPU us per request of each part, run one after the other."""
+    conn = redis.Redis.from_url(url, decode_responses=True)
+    pid, queue = common.redis_pid(url), RequestQueue(conn, "phases")
+    conn.flushdb()  # a private server: each run starts empty
+    requests = [Request(id=f"r{i}", input=i) for i in range(n)]
+    used: dict[str, float] = {}
+
+    def timed(part: str, run: Any) -> Any:
+        before = common.cpu_seconds(pid)
+        out = run()
+        used[part] = 1e6 * (common.cpu_seconds(pid) - before) / n
+        return out
+
+    def claim_all() -> list[Any]:
+        claimed: list[Any] = []
+        while len(claimed) < n:
+            claimed += queue.claim(f"w#{len(claimed)}", 1024, 10**9, 0, 4096).batch
+        return claimed
+
+    def complete_all(claimed: list[Any]) -> None:
+        for lo in range(0, n, 1024):
+            part = claimed[lo:lo + 1024]
+            queue.complete([(c.id, c.token, Result(id=c.id, status="ok", attempts=1).to_json())
+                            for c in part], {"requests": len(part)}, [c.client for c in part])
+
+    def deliver() -> None:
+        got, key = 0, queue.keys.reply("bench")
+        while got < n:
+            conn.blpop([key], timeout=5)
+            got += 1 + len(conn.lpop(key, 1000) or [])
+
+    timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench") for lo in range(0, n, 500)])
+    claimed = timed("claim", claim_all)
+    timed("complete", lambda: complete_all(claimed))
+    timed("result delivery", deliver)
+    conn.close()
+    return used
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("-n", type=int, default=50_000, help="requests (default 50,000)")
+    args = p.parse_args(argv)
+    best: dict[str, float] = {}
+    with common.private_redis() as url:
+        for _ in range(args.repeat if args.repeat > 1 else 3):  # --repeat defaults to 1
+            for part, us in phases(url, args.n).items():
+                best[part] = min(best.get(part, float("inf")), us)
+    best["all"] = sum(best.values())
+    print(f"\nredis-server CPU, us per request, one part at a time ({args.n:,} requests, "
+          f"best run; {common.machine()}):\n")
+    print(common.table([{"part": k, "us": v} for k, v in best.items()],
+                       [("part", "part", ""), ("us", "us per request", ".1f")]))
+    return best
+
+
+if __name__ == "__main__":
+    main()
