@@ -149,7 +149,7 @@ local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
 end
 
 -- Dead-letter a request: commit its dead result, kept max(result_ttl, dead_ttl), and
--- list it in `dead` (its request stays, for `batchery dead retry`, until the reaper
+-- list it in `dead` (its request stays, for `batchery queue dead retry`, until the reaper
 -- forgets it after dead_ttl).
 local function dead_letter(dead_key, result_prefix, reply_prefix, id, client, json, ttl, dead_ttl, now)
   commit_result(result_prefix, reply_prefix, id, client, json, math.max(ttl, dead_ttl))

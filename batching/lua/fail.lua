@@ -10,7 +10,7 @@
 -- Each failure appends the run's error to the request's `history`. The n-th failure
 -- waits min(cap, base * 2^(n-1)) ms in `delayed`; failure number max_attempts commits
 -- the dead result, its error now this run's followed by how each attempt ended, adds
--- the id to `dead`, and keeps the request (for `batchery dead retry`) until the reaper
+-- the id to `dead`, and keeps the request (for `batchery queue dead retry`) until the reaper
 -- forgets it after dead_ttl; the dead result lives max(result_ttl, dead_ttl).
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
 -- Idempotent: a call that retried or dead-lettered an id remembers its reply under

@@ -1,4 +1,4 @@
--- purge: forget dead-lettered requests for good (`batchery dead purge`).
+-- purge: forget dead-lettered requests for good (`batchery queue dead purge`).
 -- KEYS[1] dead  KEYS[2] requests  KEYS[3] sched  KEYS[4] attempts  KEYS[5] owner
 -- KEYS[6] leased  KEYS[7] history
 -- ARGV[1] 1: every dead request; 0: only the ids that follow

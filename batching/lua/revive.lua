@@ -1,4 +1,4 @@
--- revive: send dead-lettered requests back to the queue (`batchery dead retry`).
+-- revive: send dead-lettered requests back to the queue (`batchery queue dead retry`).
 -- KEYS[1] dead  KEYS[2] pending  KEYS[3] sched  KEYS[4] attempts  KEYS[5] depth
 -- KEYS[6] requests  KEYS[7] history
 -- KEYS[8..] the result key of each id, in ARGV's order
