@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 import click
 import redis
 
-from batchery import embedded
+from batchery import embedded, tracing
 from batchery.batching.keys import QUEUES
 from batchery.batching.queue import RequestQueue
 from batchery.config import DEFAULT_QUEUE, ENV_QUEUE, ENV_REDIS_URL, ENV_REDIS_URL_FALLBACK
@@ -84,6 +84,7 @@ def cli(log_level: str) -> None:
     """Run PyTorch models over prioritized requests in batches, backed by Redis."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure(f"batchery-{click.get_current_context().invoked_subcommand}")
 
 
 # -- redis --------------------------------------------------------------------------------

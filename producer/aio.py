@@ -15,6 +15,7 @@ from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, mem
                                      parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.scripts import Scripts
 from batchery.batching.streams import StreamEvent, StreamReader
+from batchery import tracing
 from batchery.config import DEFAULT_QUEUE, QueueSettings, check_queue_name
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
@@ -136,12 +137,13 @@ class AsyncClient:
         if not batch:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
-        call = enqueue_call(self.keys, batch, self.client_id)
-        try:
-            reply = await self._scripts.enqueue(call.keys, call.args)
-        except redis.OutOfMemoryError as exc:
-            raise memory_full(exc) from None
-        parse_enqueue(reply, batch)
+        with tracing.enqueue(self.keys.queue, batch) as batch:
+            call = enqueue_call(self.keys, batch, self.client_id)
+            try:
+                reply = await self._scripts.enqueue(call.keys, call.args)
+            except redis.OutOfMemoryError as exc:
+                raise memory_full(exc) from None
+            parse_enqueue(reply, batch)
         return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
 from batchery.batching.streams import StreamWriter
@@ -132,7 +133,8 @@ class DecodeLoop:
                 self.streams.start(s.key.request.id, s.key.request.attempt)
         self._flush_streams()  # readers see the start now, the first text after the prefill
         try:
-            tokens, join = self.batch.prefill(joining)
+            with tracing.prefill([s.key.request for s in joining]):
+                tokens, join = self.batch.prefill(joining)
         except Exception as exc:  # a prefill that fails fails its newcomers (retried)
             log.warning("prefill of %d request(s) failed: %s", len(joining), exc)
             self._commit([], failed=[(s, exc) for s in joining])

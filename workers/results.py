@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
 from batchery.batching.queue import RequestQueue
 from batchery.connection import transient
@@ -85,6 +86,7 @@ class ResultWriter(threading.Thread):
         self.leases.drop(ids)
 
     def write(self, executed: Executed) -> None:
+        began = tracing.clock()
         final = [o for o in executed.outcomes if not o.retry]
         failed = [o for o in executed.outcomes if o.retry]
         encoded = [self._encode(o, executed.claimed_ms) for o in final]
@@ -98,6 +100,7 @@ class ResultWriter(threading.Thread):
         flags = self.queue.fail([(o.request.id, o.request.token,
                                   self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
                                 [o.request.client for o in failed])
+        tracing.committed(began, final, committed, failed, flags)
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
         for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request
