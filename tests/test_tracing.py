@@ -1,0 +1,182 @@
+"""OpenTelemetry traces across a real worker process: the producer's spans from the real
+SDK's InMemorySpanExporter, the worker's from its OTLP/HTTP export (tests/otlp.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from batchery import Client, tracing
+from batchery.batching.messages import Request
+from tests.conftest import ROOT, run_cli, start_worker
+from tests.otlp import Receiver, Span, from_sdk
+
+
+@pytest.fixture
+def provider() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_tracer_provider(provider)
+    yield provider, exporter
+    tracing.use_tracer_provider(None)
+    provider.shutdown()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+class Trace:
+    """All spans of a run, producer's and worker's, with the lookups the tests need."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        self.spans = spans
+
+    def named(self, name: str, **attributes: Any) -> list[Span]:
+        return [s for s in self.spans if s.name == name
+                and all(s.attributes.get(k) == v for k, v in attributes.items())]
+
+    def one(self, name: str, **attributes: Any) -> Span:
+        found = self.named(name, **attributes)
+        assert len(found) == 1, (name, attributes, found)
+        return found[0]
+
+    def children(self, parent: Span) -> list[Span]:
+        return sorted((s for s in self.spans if s.parent_id == parent.span_id),
+                      key=lambda s: s.start)
+
+    def child(self, parent: Span, name: str) -> Span:
+        found = [s for s in self.children(parent) if s.name == name]
+        assert len(found) == 1, (name, found)
+        return found[0]
+
+    def by_id(self, span_id: str) -> Span:
+        return next(s for s in self.spans if s.span_id == span_id)
+
+
+def traced_run(redis_url: str, queue: str, receiver: Receiver, provider: Any,
+               inputs: list[str], *worker_args: str) -> tuple[Trace, dict[str, Any], Span]:
+    """Enqueue ``inputs`` in one call inside a caller's span, drain them with a real
+    burst worker that exports to ``receiver``; (the spans, input -> result, caller)."""
+    sdk, exporter = provider
+    with Client(redis_url, queue) as client:
+        client.queue.update_settings(max_attempts=2)
+        with sdk.get_tracer("test").start_as_current_span("caller") as caller:
+            handles = client.enqueue_many([{"input": v} for v in inputs])
+        worker = start_worker(redis_url, queue, "--runner", "tests.runners:flaky", "--burst",
+                              *worker_args, **receiver.env())
+        assert worker.wait(90) == 0
+        results = {v: h.result(timeout=30) for v, h in zip(inputs, handles)}
+    spans = [from_sdk(s) for s in exporter.get_finished_spans()] + receiver.spans
+    caller_id = f"{caller.get_span_context().span_id:016x}"
+    return Trace(spans), results, next(s for s in spans if s.span_id == caller_id)
+
+
+def test_span_tree_of_one_request(redis_url: str, queue_name: str, receiver: Receiver,
+                                  provider: Any) -> None:
+    # a long max wait: the worker holds the lone request back for a batch to fill
+    spans, results, caller = traced_run(redis_url, queue_name, receiver, provider, ["a"],
+                                        "--max-wait-ms", "2500")
+    assert results["a"].ok and results["a"].output == "ok:a"
+    enqueue = spans.one(f"enqueue {queue_name}")
+    assert (enqueue.kind, enqueue.parent_id, enqueue.trace_id) == ("PRODUCER", caller.span_id,
+                                                                   caller.trace_id)
+    assert enqueue.attributes["messaging.message.id"] == results["a"].id
+    process = spans.one(f"process {queue_name}")
+    assert (process.kind, process.parent_id, process.trace_id) == ("CONSUMER", enqueue.span_id,
+                                                                   caller.trace_id)
+    assert process.attributes["batchery.attempt"] == 1
+    assert process.attributes["batchery.status"] == "ok" and process.error is None
+    steps = spans.children(process)
+    assert [s.name for s in steps] == ["queue wait", "tokenize", "model run", "commit"]
+    wait, tokenize, run, commit = steps
+    # the queue wait starts at enqueue (Redis' time, in ms, moved to the worker's clock by
+    # the claim's round trip), each step after the one before
+    assert wait.start == process.start
+    assert enqueue.start - 5e6 <= wait.start <= enqueue.end + 5e6
+    assert wait.end <= tokenize.start <= tokenize.end <= run.start <= run.end <= commit.start
+    assert commit.end == process.end
+    hold = spans.child(wait, "batch hold")
+    assert hold.end == wait.end and hold.end - hold.start > 0.5e9
+    # the model run links to the batch's span, which links back to the request
+    batch = spans.one(f"batch {queue_name}")
+    assert run.links == [(batch.trace_id, batch.span_id)] and batch.trace_id != process.trace_id
+    assert batch.links == [(process.trace_id, process.span_id)]
+    assert batch.attributes["batchery.batch_size"] == 1
+    assert batch.attributes["batchery.padded_tokens"] >= 1
+    assert 0 < batch.attributes["batchery.padding_efficiency"] <= 1
+    assert "batchery.device" in batch.attributes
+
+
+def test_batch_links_retries_fallback_and_dead(redis_url: str, queue_name: str,
+                                               receiver: Receiver, provider: Any) -> None:
+    inputs = ["x", "y", "once", "bad"]
+    spans, results, _ = traced_run(redis_url, queue_name, receiver, provider, inputs,
+                                   "--max-batch-size", "4")
+    assert [results[v].status for v in inputs] == ["ok", "ok", "ok", "dead"]
+    enqueues = {s.attributes["messaging.message.id"]: s for s in spans.named(f"enqueue {queue_name}")}
+    attempts = {v: sorted((s for s in spans.named(f"process {queue_name}")
+                           if s.parent_id == enqueues[results[v].id].span_id),
+                          key=lambda s: s.attributes["batchery.attempt"]) for v in inputs}
+    assert {v: len(a) for v, a in attempts.items()} == {"x": 1, "y": 1, "once": 2, "bad": 2}
+    # the first claim ran all four in one batch: its span links to each request's span
+    batch = next(s for s in spans.named(f"batch {queue_name}")
+                 if s.attributes["batchery.batch_size"] == 4)
+    assert sorted(batch.links) == sorted((a[0].trace_id, a[0].span_id) for a in attempts.values())
+    assert "cannot process 'bad'" in batch.error
+    # each then ran alone: a fallback run after its failed part of the batch
+    x = attempts["x"][0]
+    assert [s.name for s in spans.children(x)] == ["queue wait", "tokenize", "model run",
+                                                  "tokenize", "fallback run", "commit"]
+    run, fallback = spans.child(x, "model run"), spans.child(x, "fallback run")
+    assert run.error and run.links == [(batch.trace_id, batch.span_id)]
+    assert fallback.error is None and fallback.start >= run.end
+    assert attempts["x"][0].error is None
+    # retried: the first attempt failed with a retry scheduled, the second ran and is ok
+    first, second = attempts["once"]
+    assert [name for name, _ in first.events] == ["retry scheduled"]
+    assert "first run" in first.events[0][1]["batchery.reason"] and first.error
+    assert first.attributes["batchery.status"] == "retry"
+    assert second.attributes["batchery.attempt"] == 2 and second.error is None
+    assert second.start >= first.end and results["once"].attempts == 2
+    assert "queue wait" not in [s.name for s in spans.children(second)]  # a retry's wait began at its failure
+    # dead: its last attempt carries the dead-lettering and the reason
+    last = attempts["bad"][1]
+    assert [name for name, _ in last.events] == ["dead-lettered"]
+    assert "cannot process 'bad'" in last.events[0][1]["batchery.reason"]
+    assert last.attributes["batchery.status"] == "dead" and last.error
+
+
+def test_off_imports_nothing_and_keeps_the_payload() -> None:
+    """Without opentelemetry importable, enqueueing imports none of it and the payload
+    is the one without tracing."""
+    code = ("import sys; sys.modules['opentelemetry'] = None\n"
+            "from batchery import tracing\n"
+            "from batchery.batching.messages import Request\n"
+            "r = Request(id='a', input='hi')\n"
+            "with tracing.enqueue('q', [r]) as out: assert out == [r]\n"
+            "assert tracing.trace is None and tracing.configure() is False\n"
+            "assert not [m for m in sys.modules if m.startswith('opentelemetry.')]\n"
+            "print(r.payload().decode())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == '{"input":"hi"}'
+    assert Request(id="a", input="hi", trace={"traceparent": "00-x"}).payload() == \
+        b'{"input":"hi","trace":{"traceparent":"00-x"}}'
+
+
+def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
+    done = run_cli("stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "OTEL_" in done.stderr and "nosuch" in done.stderr
