@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -14,8 +16,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from batchery import Client, tracing
 from batchery.batching.messages import Request
-from tests.conftest import ROOT, run_cli, start_worker
+from batchery.connection import RedisSettings
+from batchery.workers.generating import GenerateWorker
+from batchery.workers.options import WorkerOptions
+from tests.conftest import ROOT, cli_env, run_cli, start_worker, stop_process
+from tests.jobs_helpers import requests, submit, write_lines
 from tests.otlp import Receiver, Span, from_sdk
+from tests.test_generation import model_dir, runner  # noqa: F401  (the tiny GPT-2's fixtures)
 
 
 @pytest.fixture
@@ -65,14 +72,17 @@ class Trace:
 
 
 def traced_run(redis_url: str, queue: str, receiver: Receiver, provider: Any,
-               inputs: list[str], *worker_args: str) -> tuple[Trace, dict[str, Any], Span]:
+               inputs: list[str], *worker_args: str,
+               deadlines: dict[str, float] | None = None) -> tuple[Trace, dict[str, Any], Span]:
     """Enqueue ``inputs`` in one call inside a caller's span, drain them with a real
     burst worker that exports to ``receiver``; (the spans, input -> result, caller)."""
     sdk, exporter = provider
+    deadlines = deadlines or {}
     with Client(redis_url, queue) as client:
         client.queue.update_settings(max_attempts=2)
         with sdk.get_tracer("test").start_as_current_span("caller") as caller:
-            handles = client.enqueue_many([{"input": v} for v in inputs])
+            handles = client.enqueue_many([{"input": v, "deadline": deadlines.get(v)}
+                                           for v in inputs])
         worker = start_worker(redis_url, queue, "--runner", "tests.runners:flaky", "--burst",
                               *worker_args, **receiver.env())
         assert worker.wait(90) == 0
@@ -120,19 +130,22 @@ def test_span_tree_of_one_request(redis_url: str, queue_name: str, receiver: Rec
 
 def test_batch_links_retries_fallback_and_dead(redis_url: str, queue_name: str,
                                                receiver: Receiver, provider: Any) -> None:
-    inputs = ["x", "y", "once", "bad"]
+    inputs = ["x", "y", "once", "bad", "late"]
+    # "late" expires while the worker starts: it is never run
     spans, results, _ = traced_run(redis_url, queue_name, receiver, provider, inputs,
-                                   "--max-batch-size", "4")
-    assert [results[v].status for v in inputs] == ["ok", "ok", "ok", "dead"]
+                                   "--max-batch-size", "4", deadlines={"late": 0.1})
+    assert [results[v].status for v in inputs] == ["ok", "ok", "ok", "dead", "expired"]
     enqueues = {s.attributes["messaging.message.id"]: s for s in spans.named(f"enqueue {queue_name}")}
     attempts = {v: sorted((s for s in spans.named(f"process {queue_name}")
                            if s.parent_id == enqueues[results[v].id].span_id),
                           key=lambda s: s.attributes["batchery.attempt"]) for v in inputs}
-    assert {v: len(a) for v, a in attempts.items()} == {"x": 1, "y": 1, "once": 2, "bad": 2}
+    assert {v: len(a) for v, a in attempts.items()} == {"x": 1, "y": 1, "once": 2, "bad": 2,
+                                                         "late": 1}
     # the first claim ran all four in one batch: its span links to each request's span
     batch = next(s for s in spans.named(f"batch {queue_name}")
                  if s.attributes["batchery.batch_size"] == 4)
-    assert sorted(batch.links) == sorted((a[0].trace_id, a[0].span_id) for a in attempts.values())
+    assert sorted(batch.links) == sorted((a[0].trace_id, a[0].span_id) for v, a in attempts.items()
+                                         if v != "late")
     assert "cannot process 'bad'" in batch.error
     # each then ran alone: a fallback run after its failed part of the batch
     x = attempts["x"][0]
@@ -155,6 +168,11 @@ def test_batch_links_retries_fallback_and_dead(redis_url: str, queue_name: str,
     assert [name for name, _ in last.events] == ["dead-lettered"]
     assert "cannot process 'bad'" in last.events[0][1]["batchery.reason"]
     assert last.attributes["batchery.status"] == "dead" and last.error
+    # expired: an event with the reason, and no run
+    late = attempts["late"][0]
+    assert [name for name, _ in late.events] == ["expired"]
+    assert "deadline" in late.events[0][1]["batchery.reason"] and late.error
+    assert [s.name for s in spans.children(late)] == ["queue wait", "commit"]
 
 
 def test_off_imports_nothing_and_keeps_the_payload() -> None:
@@ -180,3 +198,55 @@ def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
     done = run_cli("stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "OTEL_" in done.stderr and "nosuch" in done.stderr
+
+
+def test_offline_job_is_one_trace_linked_from_each_line(redis_url: str, queue_name: str,
+                                                        receiver: Receiver, tmp_path: Path) -> None:
+    source = write_lines(tmp_path / "in.jsonl", requests(3))
+    jobs_queue = f"jobs-{queue_name}"
+    job = submit(redis_url, jobs_queue, queue_name, source, tmp_path / "out.jsonl")
+    env = cli_env(redis_url, **receiver.env())
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky", **receiver.env())
+    try:
+        jobs_worker = subprocess.run([sys.executable, "-m", "batchery", "jobs-worker",
+                                      "--jobs-queue", jobs_queue, "--burst"], cwd=ROOT, env=env,
+                                     capture_output=True, text=True, timeout=120)
+        assert jobs_worker.returncode == 0, jobs_worker.stderr
+    finally:
+        assert stop_process(worker) == 0  # it exports what it has left as it exits
+    spans = Trace(receiver.spans)
+    run = spans.one("job run", **{"batchery.job.id": job})
+    lines = spans.named(f"enqueue {queue_name}")
+    assert len(lines) == 3
+    for line in lines:  # each line's request is a trace of its own, linked to the job's
+        assert line.parent_id is None and line.trace_id != run.trace_id
+        assert line.links == [(run.trace_id, run.span_id)]
+        process = spans.one(f"process {queue_name}", **{
+            "messaging.message.id": line.attributes["messaging.message.id"]})
+        assert process.parent_id == line.span_id
+
+
+def test_generation_time_to_first_token_and_tokens(redis_url: str, queue_name: str, runner: Any,
+                                                  provider: Any) -> None:
+    """A generate worker in this process (its spans in the same in-memory exporter)."""
+    w = GenerateWorker(RedisSettings.from_url(redis_url), runner,
+                       WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=4096))
+    thread = threading.Thread(target=w.run, kwargs={"handle_signals": False}, daemon=True)
+    thread.start()
+    try:
+        with Client(redis_url, queue_name) as client:
+            result = client.enqueue({"prompt": "The city", "max_new_tokens": 6}).result(timeout=60)
+    finally:
+        w.stop.set()
+        thread.join(30)
+    assert result.ok and result.output["tokens"] == 6
+    spans = Trace([from_sdk(s) for s in provider[1].get_finished_spans()])
+    process = spans.one(f"process {queue_name}")
+    assert process.attributes["batchery.tokens_generated"] == 6
+    assert process.attributes["batchery.finish_reason"] == "length"
+    assert process.attributes["batchery.time_to_first_token_ms"] > 0
+    assert [s.name for s in spans.children(process)] == ["queue wait", "prefill", "decode", "commit"]
+    prefill, decode = spans.child(process, "prefill"), spans.child(process, "decode")
+    assert prefill.end == decode.start
+    first_token_ms = (prefill.end - process.start) / 1e6
+    assert abs(first_token_ms - process.attributes["batchery.time_to_first_token_ms"]) < 0.01
