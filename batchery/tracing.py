@@ -13,6 +13,7 @@ caller's trace. One request, as an operator sees it (worker times on the worker'
 clock; enqueue and claim times read from Redis, no extra round trip):
 
     enqueue QUEUE              PRODUCER, the producer's Lua call
+      await result             the producer: from enqueue to the result in its hands
       process QUEUE            CONSUMER, one per attempt (attribute batchery.attempt):
                                from enqueue (a first attempt) or claim, to commit
         queue wait             enqueue -> claim (Redis clock)
@@ -57,6 +58,10 @@ SWEEP_NS = 60 * 10**9     # ... looked for this often
 
 _provider: Any = None     # set by use_tracer_provider: wins over the global provider
 _tracers: dict[int, Any] = {}
+# request id -> (its enqueue span's context, the span's end): its result's arrival ends an
+# "await result" span in its trace (at most MAX_AWAITED: a result never read does not stay)
+_awaited: dict[str, tuple[Any, int]] = {}
+MAX_AWAITED = 100_000
 _job: contextvars.ContextVar[Any] = contextvars.ContextVar("batchery_job_span", default=None)
 _local = threading.local()  # per claiming thread: when its claims began to be held back
 
@@ -143,8 +148,32 @@ def enqueue(queue: str, requests: list[Any]) -> Iterator[list[Any]]:
             _error(span, f"{type(exc).__name__}: {exc}")
             span.end()
         raise
-    for span in spans:
-        span.end()
+    end = time.time_ns()
+    for r, span in zip(requests, spans):
+        span.end(end)
+        if span.get_span_context().trace_flags.sampled:
+            _awaited[r.id] = (span.get_span_context(), end)
+    while len(_awaited) > MAX_AWAITED:
+        _awaited.pop(next(iter(_awaited)), None)
+
+
+def delivered(result: Any) -> None:
+    """A result reached the producer that enqueued it: its wait, from enqueue to here
+    (the gap after the worker's commit span is the delivery)."""
+    if not _awaited:
+        return
+    found = _awaited.pop(result.id, None)
+    tracer = _tracer()
+    if found is None or tracer is None:
+        return
+    context, enqueued = found
+    span = tracer.start_span("await result", context=trace.set_span_in_context(
+        trace.NonRecordingSpan(context)), start_time=enqueued,
+        attributes={"messaging.message.id": result.id, "batchery.status": result.status,
+                    "batchery.attempts": result.attempts or 0})
+    if result.status != "ok":
+        _error(span, f"{result.status}: {(result.error or {}).get('message', '')}")
+    span.end()
 
 
 @contextlib.contextmanager

@@ -118,6 +118,10 @@ def test_span_tree_of_one_request(redis_url: str, queue_name: str, receiver: Rec
     assert commit.end == process.end
     hold = spans.child(wait, "batch hold")
     assert hold.end == wait.end and hold.end - hold.start > 0.5e9
+    # the caller's client waited from the end of its enqueue until the result arrived
+    awaited = spans.one("await result")
+    assert (awaited.parent_id, awaited.start) == (enqueue.span_id, enqueue.end)
+    assert awaited.end >= commit.end and awaited.attributes["batchery.status"] == "ok"
     # the model run links to the batch's span, which links back to the request
     batch = spans.one(f"batch {queue_name}")
     assert run.links == [(batch.trace_id, batch.span_id)] and batch.trace_id != process.trace_id
