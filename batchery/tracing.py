@@ -7,9 +7,11 @@ until a tracer provider is set: by :func:`configure` (batchery's own commands, f
 standard ``OTEL_*`` environment), by the application (``trace.set_tracer_provider``),
 or by ``opentelemetry-instrument``.
 
-The producer's context (W3C ``traceparent``) travels in the request's payload (the
+The producer's span travels as a W3C ``traceparent`` in the request's payload (the
 optional ``trace`` field, batching/messages.py), so the worker's spans join the
-caller's trace. One request, as an operator sees it (worker times on the worker's
+caller's trace. The producer's sampling decision is the request's: a worker makes no
+span for a request whose producer did not sample it (the parent-based sampling of
+OpenTelemetry's default sampler, at the cost of one string test). One request, as an operator sees it (worker times on the worker's
 clock; enqueue and claim times read from Redis, no extra round trip):
 
     enqueue QUEUE              PRODUCER, the producer's Lua call
@@ -38,15 +40,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 try:
-    from opentelemetry import propagate, trace
+    from opentelemetry import trace
     from opentelemetry.context import Context
-    from opentelemetry.trace import Link, SpanKind, StatusCode
+    from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 except ImportError:  # the otel extra is not installed: every hook below is a no-op
     trace = None  # type: ignore[assignment]
 
@@ -114,10 +117,29 @@ def configure(service: str = "batchery") -> bool:
     return True
 
 
-def _carrier(span: Any) -> dict[str, str] | None:
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier or None
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _traceparent(span: Any) -> str:
+    """The W3C traceparent of ``span``: batchery's own channel between its producer and
+    worker, whatever propagators the application uses for its own."""
+    c = span.get_span_context()
+    return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
+
+
+def _parent(traceparent: Any) -> Any:
+    """The context a traceparent names; None: no parent (absent, or not W3C); False: its
+    producer did not sample it."""
+    if not isinstance(traceparent, str):
+        return None
+    found = TRACEPARENT.fullmatch(traceparent)
+    if found is None:
+        return None
+    flags = TraceFlags(int(found[3], 16))
+    if not flags.sampled:
+        return False
+    return trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        int(found[1], 16), int(found[2], 16), is_remote=True, trace_flags=flags)))
 
 
 def _error(span: Any, message: str) -> None:
@@ -141,7 +163,7 @@ def enqueue(queue: str, requests: list[Any]) -> Iterator[list[Any]]:
                                            "messaging.message.id": r.id, "batchery.priority": r.priority})
              for r in requests]
     try:
-        yield [replace(r, trace=_carrier(s)) for r, s in zip(requests, spans)]
+        yield [replace(r, trace=_traceparent(s)) for r, s in zip(requests, spans)]
     except BaseException as exc:
         for span in spans:
             span.record_exception(exc)
@@ -184,12 +206,14 @@ def job(rq_job: Any, queue: str) -> Iterator[None]:
     if tracer is None:
         yield
         return
-    carrier = rq_job.meta.get("trace")
-    parent = propagate.extract(carrier) if isinstance(carrier, dict) else Context()
-    span = tracer.start_span("job run", context=parent, attributes={
+    parent = _parent(rq_job.meta.get("trace"))
+    if parent is False:
+        yield  # the job's first run was not sampled: none of its runs are
+        return
+    span = tracer.start_span("job run", context=parent or Context(), attributes={
         "batchery.job.id": rq_job.id, "messaging.destination.name": queue})
-    if not isinstance(carrier, dict):
-        rq_job.meta["trace"] = _carrier(span)
+    if parent is None:
+        rq_job.meta["trace"] = _traceparent(span)
     token = _job.set(span.get_span_context())
     try:
         with trace.use_span(span, end_on_exit=True):
@@ -238,10 +262,12 @@ def claimed(queue: str, worker: str, reply: Any) -> None:
     offset = now - reply.now_ms * 1_000_000  # Redis clock -> this worker's clock
     for r in [*reply.expired, *reply.batch]:
         enqueued = r.enqueued_ms * 1_000_000 + offset
+        parent = _parent(r.trace)
+        if parent is False:
+            continue
         first = r.attempt == 1
-        carrier = r.trace if isinstance(r.trace, dict) else None
         span = tracer.start_span(
-            f"process {queue}", context=propagate.extract(carrier) if carrier else Context(),
+            f"process {queue}", context=parent or Context(),
             kind=SpanKind.CONSUMER, start_time=enqueued if first else now,
             attributes={"messaging.system": SYSTEM, "messaging.operation.type": "process",
                         "messaging.destination.name": queue, "messaging.message.id": r.id,

@@ -37,7 +37,7 @@ class Request:
     deadline: float | None = None  # seconds from now; past it the request is expired
     tokens: int | None = None  # cost in tokens; None: estimated, and workers count it exactly
     meta: dict[str, Any] | None = None
-    trace: dict[str, str] | None = None  # the producer's trace context (batchery/tracing.py)
+    trace: str | None = None  # W3C traceparent of the producer's span (batchery/tracing.py)
 
     @classmethod
     def validated(cls, id: Any, input: Any, priority: Any = "normal", deadline: Any = None,
@@ -209,7 +209,7 @@ class Claimed:
     invalid: str | None = None  # why the stored request cannot run (not written by a client)
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
     client: str = ""     # the client that enqueued it, whose reply list gets its result
-    trace: Any = None    # the producer's trace context, as stored (batchery/tracing.py)
+    trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,

@@ -3,6 +3,7 @@ SDK's InMemorySpanExporter, the worker's from its OTLP/HTTP export (tests/otlp.p
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -194,8 +195,9 @@ def test_off_imports_nothing_and_keeps_the_payload() -> None:
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == '{"input":"hi"}'
-    assert Request(id="a", input="hi", trace={"traceparent": "00-x"}).payload() == \
-        b'{"input":"hi","trace":{"traceparent":"00-x"}}'
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert Request(id="a", input="hi", trace=parent).payload() == \
+        f'{{"input":"hi","trace":"{parent}"}}'.encode()
 
 
 def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
@@ -254,3 +256,21 @@ def test_generation_time_to_first_token_and_tokens(redis_url: str, queue_name: s
     assert prefill.end == decode.start
     first_token_ms = (prefill.end - process.start) / 1e6
     assert abs(first_token_ms - process.attributes["batchery.time_to_first_token_ms"]) < 0.01
+
+
+def test_a_request_its_producer_did_not_sample_costs_the_worker_no_span(
+        redis_url: str, queue_name: str, receiver: Receiver) -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+    tracing.use_tracer_provider(TracerProvider(sampler=ALWAYS_OFF))
+    try:
+        with Client(redis_url, queue_name) as client:
+            handle = client.enqueue("a")
+            stored = client.queue.client.hget(client.queue.keys.requests, handle.id)
+            worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky",
+                                  "--burst", **receiver.env())
+            assert worker.wait(90) == 0
+            assert handle.result(timeout=30).ok
+    finally:
+        tracing.use_tracer_provider(None)
+    assert json.loads(stored)["trace"].endswith("-00")  # the decision travels with it
+    assert receiver.spans == []
