@@ -202,7 +202,7 @@ def test_off_imports_nothing_and_keeps_the_payload() -> None:
 
 def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
     done = run_cli("stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "OTEL_" in done.stderr and "nosuch" in done.stderr
 
 
@@ -275,3 +275,25 @@ def test_a_request_its_producer_did_not_sample_costs_the_worker_no_span(
     flags = int(json.loads(stored)["trace"].rsplit("-", 1)[1], 16)
     assert not flags & 1  # the decision travels with it: not sampled
     assert receiver.spans == []
+
+
+def test_async_client_enqueues_inside_the_callers_trace(redis_url: str, queue_name: str,
+                                                         provider: Any) -> None:
+    import asyncio
+    from batchery import AsyncClient
+
+    async def enqueue() -> tuple[str, Any]:
+        async with AsyncClient(redis_url, queue_name) as client:
+            with provider[0].get_tracer("test").start_as_current_span("caller") as caller:
+                handle = await client.enqueue("hi")
+            await client.cancel([handle.id])
+            return handle.id, caller
+
+    request_id, caller = asyncio.run(enqueue())
+    spans = Trace([from_sdk(s) for s in provider[1].get_finished_spans()])
+    sent = spans.one(f"enqueue {queue_name}")
+    assert sent.kind == "PRODUCER" and sent.parent_id == f"{caller.get_span_context().span_id:016x}"
+    assert sent.attributes["messaging.message.id"] == request_id
+    # the cancelled result reached the caller: its wait ended with it
+    awaited = spans.one("await result")
+    assert awaited.parent_id == sent.span_id and awaited.attributes["batchery.status"] == "cancelled"
