@@ -233,6 +233,7 @@ class _Open:
     enqueued_ns: int    # enqueue time on this worker's clock
     claimed_ns: int
     fallback: bool = False       # its batch failed: its next run is a fallback run
+    stepped_ns: int = 0          # the end of its latest step (tokenize, prefill)
     first_token_ns: int = 0      # generation: when its first token was out
 
     def child(self, name: str, start: int, end: int | None = None, **kwargs: Any) -> Any:
@@ -324,26 +325,40 @@ def _traced(requests: Sequence[Any]) -> list[tuple[Any, _Open]]:
 
 
 @contextlib.contextmanager
-def tokenize(requests: Sequence[Any]) -> Iterator[None]:
-    """Around tokenizing a batch: a tokenize span in each traced request's trace."""
-    traced = _traced(requests)
-    if not traced:
-        yield
-        return
-    start = time.time_ns()
-    failed = ""
+def _step(name: str, requests: Sequence[Any]) -> Iterator[list[_Open]]:
+    """Around one step of a batch: a span ``name`` in each traced request's trace; the
+    step's end is each one's ``stepped_ns``."""
+    traced = [entry for _, entry in _traced(requests)]
+    start, failed = time.time_ns(), ""
     try:
-        yield
+        yield traced
     except BaseException as exc:
         failed = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         end = time.time_ns()
-        for r, entry in traced:
-            span = entry.child("tokenize", start, attributes={"batchery.batch_size": len(requests)})
+        for entry in traced:
+            span = entry.child(name, start, attributes={"batchery.batch_size": len(requests)})
             if failed:
                 _error(span, failed)
             span.end(end)
+            entry.stepped_ns = end
+
+
+def tokenize(requests: Sequence[Any]) -> Any:
+    """Around tokenizing a batch."""
+    return _step("tokenize", requests)
+
+
+@contextlib.contextmanager
+def prefill(requests: Sequence[Any]) -> Iterator[None]:
+    """Around a generation prefill: it yields each request's first token."""
+    with _step("prefill", requests) as traced:
+        yield
+    for entry in traced:
+        entry.first_token_ns = entry.stepped_ns
+        entry.span.set_attribute("batchery.time_to_first_token_ms",
+                                 round((entry.stepped_ns - entry.enqueued_ns) / 1e6, 3))
 
 
 @contextlib.contextmanager
@@ -380,28 +395,6 @@ def model_run(requests: Sequence[Any], prepared: Any, runner: Any) -> Iterator[N
         end = time.time_ns()
         for span in (batch, *runs):
             span.end(end)
-
-
-@contextlib.contextmanager
-def prefill(requests: Sequence[Any]) -> Iterator[None]:
-    """Around a generation prefill: it yields each request's first token."""
-    traced = _traced(requests)
-    if not traced:
-        yield
-        return
-    start = time.time_ns()
-    try:
-        yield
-    except BaseException as exc:
-        for _, entry in traced:
-            _error(entry.child("prefill", start), f"{type(exc).__name__}: {exc}")
-        raise
-    end = time.time_ns()
-    for _, entry in traced:
-        entry.child("prefill", start, end, attributes={"batchery.batch_size": len(requests)})
-        entry.first_token_ns = end
-        entry.span.set_attribute("batchery.time_to_first_token_ms",
-                                 round((end - entry.enqueued_ns) / 1e6, 3))
 
 
 def clock() -> int:
