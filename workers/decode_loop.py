@@ -261,6 +261,7 @@ class DecodeLoop:
         self.batch.drop(gone)
         self.waiting = [s for s in self.waiting if s not in gone]
         self.leases.drop(s.key.request.id for s in gone)
+        tracing.released([s.key.request for s in gone], "cancelled, or taken over after a stall")
         for s, owner in lost:
             s.finish_reason = "cancelled"
             if s.params.stream and owner is None:

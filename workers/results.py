@@ -73,6 +73,7 @@ class ResultWriter(threading.Thread):
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
             flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
+            tracing.committed(tracing.clock(), [], [], executed.outcomes, flags)
             metrics.RETRIES.inc(flags.count(1))
             metrics.DEAD_LETTERS.inc(flags.count(2))
         except redis.RedisError as exc:
