@@ -9,30 +9,13 @@ or by ``opentelemetry-instrument``.
 
 The producer's span travels as a W3C ``traceparent`` in the request's payload (the
 optional ``trace`` field, batching/messages.py), so the worker's spans join the
-caller's trace. The producer's sampling decision is the request's: a worker makes no
-span for a request whose producer did not sample it (the parent-based sampling of
-OpenTelemetry's default sampler, at the cost of one string test). One request, as an operator sees it (worker times on the worker's
-clock; enqueue and claim times read from Redis, no extra round trip):
-
-    enqueue QUEUE              PRODUCER, the producer's Lua call
-      await result             the producer: from enqueue to the result in its hands
-      process QUEUE            CONSUMER, one per attempt (attribute batchery.attempt):
-                               from enqueue (a first attempt) or claim, to commit
-        queue wait             enqueue -> claim (Redis clock)
-          batch hold           the claim held back for the batch to fill (max_wait_ms)
-        tokenize
-        model run              its part of a batch run, linked to the batch's span;
-        | fallback run         "fallback run": alone, after its batch failed
-        prefill, decode        generation: time to first token, tokens generated
-        commit                 complete.lua / fail.lua: the result is stored and pushed
-                               to the client's reply list (delivery) in one call
-      events: expired, retry scheduled, dead-lettered, discarded, released
-
-    batch QUEUE                one per model run, its own trace: batch size, padded
-                               tokens, padding efficiency, device; a link to each
-                               request's process span
-    job run                    one trace per offline job (its runs share it); each
-                               line's enqueue span starts a trace linked to it
+caller's trace; its sampling decision is the request's (a worker makes no span for a
+request its producer did not sample). The span tree (README, "Tracing"): per request
+enqueue, await result, and per attempt process > queue wait > batch hold, tokenize,
+model run | fallback run, prefill, decode, commit, with events for expiry, retries and
+dead letters; per model run a batch span linked to each request; per offline job one
+trace. Worker times are the worker's clock; enqueue and claim times come from Redis
+(in the claim's reply: no extra round trip).
 """
 
 from __future__ import annotations
