@@ -385,15 +385,17 @@ def clock() -> int:
     return time.time_ns()
 
 
-def committed(began: int, final: Sequence[Any], committed: Sequence[bool],
+def committed(began: int, ended: int, final: Sequence[Any], committed: Sequence[bool],
               failed: Sequence[Any], flags: Sequence[int]) -> None:
-    """After one commit: a commit span per traced request, the events of what became of
-    it, and the end of its process span. ``final``/``committed``: outcomes stored as
+    """After one commit (its Lua calls from ``began`` to ``ended``; 0: now): a commit span
+    per traced request, the events of what became of it, and the end of its process
+    span. ``final``/``committed``: outcomes stored as
     results and whether this worker still held them; ``failed``/``flags``: outcomes to
     retry and fail.lua's verdict (1 retry scheduled, 2 dead-lettered, 0 lease lost)."""
     if not _open:
         return
-    now = time.time_ns()
+    now = ended or time.time_ns()
+    began = began or now
     for outcome, flag in [*((o, 3 if ok else 0) for o, ok in zip(final, committed)),
                           *zip(failed, flags)]:
         entry = _open.get(outcome.request.id)

@@ -73,7 +73,7 @@ class ResultWriter(threading.Thread):
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
             flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
-            tracing.committed(tracing.clock(), [], [], executed.outcomes, flags)
+            tracing.committed(0, 0, [], [], executed.outcomes, flags)
             metrics.RETRIES.inc(flags.count(1))
             metrics.DEAD_LETTERS.inc(flags.count(2))
         except redis.RedisError as exc:
@@ -101,6 +101,7 @@ class ResultWriter(threading.Thread):
         flags = self.queue.fail([(o.request.id, o.request.token,
                                   self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
                                 [o.request.client for o in failed])
+        ended = tracing.clock()
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
         for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request
@@ -120,7 +121,7 @@ class ResultWriter(threading.Thread):
         if lost:
             log.warning("discarded %d result(s): this worker no longer held their lease", lost)
         self.leases.drop(o.request.id for o in executed.outcomes)
-        tracing.committed(began, final, committed, failed, flags)
+        tracing.committed(began, ended, final, committed, failed, flags)
 
     def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
                 error: dict[str, str] | None = None) -> tuple[str, str]:
