@@ -17,7 +17,7 @@ import sys
 
 import click
 
-from batchery import embedded
+from batchery import embedded, tracing
 from batchery.cli_shared import LOG_LEVELS, BatcheryGroup, finish_tree, json_option, print_json
 from batchery.config import ENV_LOG_LEVEL
 from batchery.dashboard.cli import dashboard
@@ -39,6 +39,7 @@ def cli(log_level: str) -> None:
     """
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure(f"batchery-{click.get_current_context().invoked_subcommand}")
 
 
 # -- redis --------------------------------------------------------------------------------

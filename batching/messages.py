@@ -37,6 +37,7 @@ class Request:
     deadline: float | None = None  # seconds from now; past it the request is expired
     tokens: int | None = None  # cost in tokens; None: estimated, and workers count it exactly
     meta: dict[str, Any] | None = None
+    trace: str | None = None  # W3C traceparent of the producer's span (batchery/tracing.py)
 
     @classmethod
     def validated(cls, id: Any, input: Any, priority: Any = "normal", deadline: Any = None,
@@ -55,8 +56,11 @@ class Request:
                    tokens=tokens, meta=meta)
 
     def payload(self) -> bytes:
-        """The JSON stored in Redis for the worker: input and meta."""
+        """The JSON stored in Redis for the worker: input, meta, and the trace context
+        (W3C traceparent) only when the producer traces."""
         body = {"input": self.input} if self.meta is None else {"input": self.input, "meta": self.meta}
+        if self.trace is not None:
+            body["trace"] = self.trace
         try:
             return dumps(body).encode("utf-8")
         except UnicodeEncodeError:
@@ -205,6 +209,7 @@ class Claimed:
     invalid: str | None = None  # why the stored request cannot run (not written by a client)
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
     client: str = ""     # the client that enqueued it, whose reply list gets its result
+    trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
@@ -219,4 +224,4 @@ class Claimed:
         return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
                    enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
                    attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank),
-                   client=client)
+                   client=client, trace=body.get("trace"))

@@ -96,7 +96,8 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 def env(**extra: str) -> dict[str, str]:
     """Environment for child processes: offline models, quiet logs, one tokenizer thread."""
     out = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               BATCHERY_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+               BATCHERY_LOG_LEVEL="WARNING",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     out.update(extra)
     return out
 

@@ -7,6 +7,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Iterable, Mapping
 
+from batchery import tracing
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.keys import Keys, check_queue_name
 from batchery.batching.messages import Request, Result
@@ -132,7 +133,8 @@ class AsyncClient:
         if not batch:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
-        await self.queue.enqueue(batch, self.client_id)
+        with tracing.enqueue(self.queue.name, batch) as batch:
+            await self.queue.enqueue(batch, self.client_id)
         return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:

@@ -12,6 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, SimpleQueue
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from batchery import tracing
 from batchery.batching.messages import CANCELLED, Request, Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.streams import StreamEvent, StreamReader
@@ -201,7 +202,8 @@ class Client:
         if not self._registered:
             self.queue.register()
             self._registered = True
-        self.queue.enqueue(batch, self.client_id if reply else "")
+        with tracing.enqueue(self.queue.name, batch) as batch:
+            self.queue.enqueue(batch, self.client_id if reply else "")
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""

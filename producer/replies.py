@@ -19,6 +19,7 @@ from typing import Awaitable, Callable, Iterable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.messages import DEAD, Result
 from batchery.batching.queue import RequestQueue
@@ -76,6 +77,7 @@ class ReplyListener:
     def deliver(self, result: Result) -> bool:
         """Resolve the waiter of a result (popped, or found by a direct read); True if
         someone waited for it."""
+        tracing.delivered(result)
         with self._lock:
             sink = self._sinks.pop(result.id, None)
             future = self._waiters.pop(result.id, None) if len(self._waiters) else None
@@ -135,6 +137,7 @@ class AsyncReplyListener:
         return future
 
     def deliver(self, result: Result) -> bool:
+        tracing.delivered(result)
         future = self._waiters.pop(result.id, None)
         if future is not None and not future.done():
             future.set_result(result)

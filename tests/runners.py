@@ -132,3 +132,18 @@ def pauses_after() -> Any:
             time.sleep(0.01)
         return [f"done:{v}" for v in inputs]
     return run
+
+
+def flaky() -> Any:
+    """Raises for a batch holding "bad" (always) or "once" (on its first run in this
+    process only); the rest pass: ``"ok:" + input``."""
+    seen: set[str] = set()
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if "bad" in inputs:
+            raise RuntimeError("cannot process 'bad'")
+        if "once" in inputs and "once" not in seen:
+            seen.add("once")
+            raise RuntimeError("'once' fails on its first run")
+        return [f"ok:{v}" for v in inputs]
+    return run

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.messages import Claimed, estimate_tokens
 from batchery.batching.queue import ClaimReply, RequestQueue
 from batchery.workers import metrics
@@ -69,6 +70,7 @@ class Claimer(threading.Thread):
         except redis.RedisError:
             return False  # cannot tell, or cannot give it back: run it
         self.leases.drop(r.id for r in batch.requests)
+        tracing.released(batch.requests, "given back: a more urgent request arrived")
         return True
 
     def leftovers(self) -> list[Batch]:
@@ -126,6 +128,7 @@ class Claimer(threading.Thread):
         self._claims += 1
         token = f"{self.options.worker_id}#{self._claims}"
         reply = self._claim(token, max_size, max_tokens, max_wait_ms)
+        tracing.claimed(self.queue.name, self.options.worker_id, reply)
         self.leases.add(reply.expired + reply.batch)
         invalid = [r for r in reply.batch if r.invalid]
         if reply.expired or invalid:
@@ -178,7 +181,8 @@ class Claimer(threading.Thread):
     def prepare(self, requests: list[Claimed], claimed_ms: int) -> list[Batch]:
         """Tokenize; if the exact count busts the token budget, split by length to fit."""
         try:
-            prepared = self.runner.prepare([r.input for r in requests])
+            with tracing.tokenize(requests):
+                prepared = self.runner.prepare([r.input for r in requests])
         except Exception as exc:  # a bad input: the executor falls back to one at a time
             return [Batch(requests, claimed_ms, error=exc)]
         if prepared.padded <= self.options.max_batch_tokens or len(requests) == 1:
@@ -197,6 +201,7 @@ class Claimer(threading.Thread):
 
     def _prepared(self, requests: list[Claimed], claimed_ms: int) -> Batch:
         try:
-            return Batch(requests, claimed_ms, self.runner.prepare([r.input for r in requests]))
+            with tracing.tokenize(requests):
+                return Batch(requests, claimed_ms, self.runner.prepare([r.input for r in requests]))
         except Exception as exc:
             return Batch(requests, claimed_ms, error=exc)

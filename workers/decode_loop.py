@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
 from batchery.batching.streams import StreamWriter
@@ -198,7 +199,8 @@ class DecodeLoop:
                 return
             before = p.done
             try:
-                tokens = self.batch.advance(p, budget - spent if budget else 0)
+                with tracing.prefill([s.key.request for s in p.seqs]):  # a span per chunk
+                    tokens = self.batch.advance(p, budget - spent if budget else 0)
             except Exception as exc:  # a prefill that fails fails its newcomers (retried)
                 log.warning("prefill of %d request(s) failed: %s", len(p.seqs), exc)
                 self.prefilling.remove(p)
@@ -344,6 +346,7 @@ class DecodeLoop:
                 self.prefilling.remove(p)
         self.waiting = [s for s in self.waiting if s not in gone]
         self.leases.drop(s.key.request.id for s in gone)
+        tracing.released([s.key.request for s in gone], "cancelled, or taken over after a stall")
         for s, owner in lost:
             s.finish_reason = "cancelled"
             if s.params.stream and owner is None:

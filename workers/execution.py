@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.workers import metrics
 from batchery.workers.runners import InputError, Prepared, Runner
@@ -98,7 +99,8 @@ class Executor:
         if error is None:
             try:
                 if prepared is None:
-                    prepared = self.runner.prepare([r.input for r in requests])
+                    with tracing.tokenize(requests):
+                        prepared = self.runner.prepare([r.input for r in requests])
                 return self._run(requests, prepared, executed)
             except Exception as exc:  # the runner is user code: anything can come out
                 error = exc
@@ -118,10 +120,11 @@ class Executor:
 
     def _run(self, requests: list[Claimed], prepared: Prepared, executed: Executed) -> list[Outcome]:
         started = time.perf_counter()
-        outputs = self.runner.run(prepared.data)
+        with tracing.model_run(requests, prepared, self.runner):
+            outputs = self.runner.run(prepared.data)
+            if len(outputs) != len(requests):
+                raise RuntimeError(f"the runner returned {len(outputs)} outputs for {len(requests)} inputs")
         seconds = time.perf_counter() - started
-        if len(outputs) != len(requests):
-            raise RuntimeError(f"the runner returned {len(outputs)} outputs for {len(requests)} inputs")
         size, tokens = len(requests), sum(prepared.lengths)
         executed.runs.append((size, tokens, prepared.padded))
         metrics.BATCH_SIZE.observe(size)

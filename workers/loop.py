@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
 from batchery.workers import metrics
@@ -90,6 +91,7 @@ class Worker:
             if leftovers:
                 _retrying(lambda: queue_.release([(r.id, r.token) for r in leftovers]))
                 leases.drop(r.id for r in leftovers)
+                tracing.released(leftovers, "the worker stopped before running it")
                 log.info("returned %d prefetched request(s) to the queue", len(leftovers))
             writer.close()
             heartbeat.join()

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
 from batchery.batching.queue import RequestQueue
 from batchery.connection import transient
@@ -72,6 +73,7 @@ class ResultWriter(threading.Thread):
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
             flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
+            tracing.committed(0, 0, [], [], executed.outcomes, flags)
             metrics.RETRIES.inc(flags.count(1))
             metrics.DEAD_LETTERS.inc(flags.count(2))
         except redis.RedisError as exc:
@@ -85,6 +87,7 @@ class ResultWriter(threading.Thread):
         self.leases.drop(ids)
 
     def write(self, executed: Executed) -> None:
+        began = tracing.clock()
         final = [o for o in executed.outcomes if not o.retry]
         failed = [o for o in executed.outcomes if o.retry]
         encoded = [self._encode(o, executed.claimed_ms) for o in final]
@@ -98,6 +101,7 @@ class ResultWriter(threading.Thread):
         flags = self.queue.fail([(o.request.id, o.request.token,
                                   self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
                                 [o.request.client for o in failed])
+        ended = tracing.clock()
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
         for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request
@@ -118,6 +122,7 @@ class ResultWriter(threading.Thread):
                 self.on_committed([o for o, ok in zip(final, committed) if ok])
             except Exception as exc:  # the results are in: what follows is best effort
                 log.warning("after committing %d result(s): %s", len(final), exc)
+        tracing.committed(began, ended, final, committed, failed, flags)
 
     def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
                 error: dict[str, str] | None = None) -> tuple[str, str]:

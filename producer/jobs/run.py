@@ -27,6 +27,7 @@ from rq.job import Job, JobStatus
 from batchery.batching.messages import CANCELLED as CANCELLED_RESULT, DEAD as DEAD_RESULT
 from batchery.batching.messages import OK, Request, Result
 from batchery.batching.queue import RequestQueue
+from batchery import tracing
 from batchery.connection import text_client
 from batchery.errors import InvalidRequest, QueueFull
 from batchery.producer.client import ENQUEUE_CHUNK
@@ -59,7 +60,9 @@ def run_job(**kwargs: Any) -> Any:
     job = get_current_job()
     if job is None:
         raise RuntimeError("run_job runs inside an RQ worker (batchery job worker)")
-    outcome = JobRun(job, JobSpec.from_kwargs(kwargs)).run()
+    spec = JobSpec.from_kwargs(kwargs)
+    with tracing.job(job, spec.queue):
+        outcome = JobRun(job, spec).run()
     if outcome.get("phase") == STOPPED:
         return Retry(max=HANDBACK_RETRIES)  # back to the queue: the next run resumes
     return outcome
@@ -232,7 +235,8 @@ class JobRun:
         """Enqueue what fits: ACCEPTED, KNOWN (an earlier run enqueued it) or FULL for
         each request. A chunk over the queue's room is split, so a small room still fills."""
         try:
-            flags = self.queue.enqueue(requests, self.client_id)
+            with tracing.enqueue(self.queue.name, requests) as requests:
+                flags = self.queue.enqueue(requests, self.client_id)
         except QueueFull:
             if len(requests) == 1:
                 return [FULL]

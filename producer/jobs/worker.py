@@ -30,6 +30,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.worker import SimpleWorker, WorkerStatus
 
+from batchery import tracing
 from batchery.producer.jobs import run
 from batchery.producer.jobs.bookkeeping import FORMER_JOB_FUNCS, JOB_FUNC, JOBS_QUEUE
 
@@ -42,6 +43,7 @@ class JobsWorker(SimpleWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("job_monitoring_interval", HEARTBEAT_S)
         super().__init__(*args, **kwargs)
+        tracing.configure("batchery-jobs-worker")  # started by `rq worker` too, not only our CLI
         if "maintenance_interval" not in kwargs:
             self.maintenance_interval = self.abandoned_after
 
