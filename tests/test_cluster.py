@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -18,24 +19,38 @@ from tests.conftest import (RedisServer, free_port, newest_redis_server, run_cli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[list[RedisServer]]:
+@contextlib.contextmanager
+def local_cluster(masters: int, replicas: int, *extra: str) -> Iterator[list[RedisServer]]:
+    """A Redis Cluster of ``masters`` nodes with ``replicas`` each, on free ports below
+    55,000 (each node's bus port is its port + 10,000), ready when its state is ok and
+    every master has its replicas."""
     binary = newest_redis_server()
     cli = str(Path(binary).with_name("redis-cli"))
-    nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                         port=free_port(below=55_000), binary=binary)  # bus port: +10000
-             for _ in range(3)]
+    nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *extra,
+                         port=free_port(below=55_000), binary=binary)
+             for _ in range(masters * (1 + replicas))]
     try:
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                        "--cluster-replicas", str(replicas), "--cluster-yes"], check=True,
                        capture_output=True, timeout=60)
-        probe = redis.Redis(port=nodes[0].port, decode_responses=True)
-        wait_for(lambda: probe.cluster("info")["cluster_state"] == "ok", 30, message="cluster ok")
-        probe.close()
+
+        def ready() -> bool:
+            with redis.Redis(port=nodes[0].port, decode_responses=True) as probe:
+                slots = probe.execute_command("CLUSTER", "SLOTS")
+                return (probe.cluster("info")["cluster_state"] == "ok" and len(slots) == masters
+                        and all(len(entry) >= 3 + replicas for entry in slots))
+
+        wait_for(ready, 30, 0.2, f"{masters} masters with {replicas} replica(s) each")
         yield nodes
     finally:
         for node in nodes:
             node.close()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    with local_cluster(3, 0) as nodes:
+        yield nodes
 
 
 def node_of_slot(probe: redis.Redis, slot: int) -> int:

@@ -7,7 +7,6 @@ RequestLost, never waited on forever."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,45 +17,18 @@ import redis
 from batchery import Client
 from batchery.batching.keys import Keys
 from batchery.errors import RequestLost
-from tests.conftest import (RedisServer, free_port, newest_redis_server, run_cli, start_worker,
-                            stop_process, wait_for)
-from tests.test_cluster import node_of_slot
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
+from tests.test_cluster import local_cluster, node_of_slot
 
 pytestmark = pytest.mark.slow
 NODE_TIMEOUT_MS = 1000  # a master unreachable this long is failed over by its replica
 
 
-def replicated(binary: str) -> RedisServer:
-    return RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                       "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                       port=free_port(below=55_000), binary=binary)  # bus port: +10000
-
-
-def cluster_ready(probe: redis.Redis) -> bool:
-    """State ok and each of the 3 masters has a replica."""
-    if probe.cluster("info")["cluster_state"] != "ok":
-        return False
-    slots = probe.execute_command("CLUSTER", "SLOTS")
-    return len(slots) == 3 and all(len(entry) >= 4 for entry in slots)
-
-
 @pytest.fixture
 def cluster() -> Iterator[list[RedisServer]]:
     """3 masters, 3 replicas (one each), failover after NODE_TIMEOUT_MS."""
-    binary = newest_redis_server()
-    cli = str(Path(binary).with_name("redis-cli"))
-    nodes = [replicated(binary) for _ in range(6)]
-    try:
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-                        "--cluster-replicas", "1", "--cluster-yes"], check=True,
-                       capture_output=True, timeout=60)
-        probe = redis.Redis(port=nodes[0].port, decode_responses=True)
-        wait_for(lambda: cluster_ready(probe), 30, 0.2, "3 masters with a replica each")
-        probe.close()
+    with local_cluster(3, 1, "--cluster-node-timeout", str(NODE_TIMEOUT_MS)) as nodes:
         yield nodes
-    finally:
-        for node in nodes:
-            node.close()
 
 
 def replica_of(probe: redis.Redis, slot: int) -> int:
