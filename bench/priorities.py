@@ -49,7 +49,7 @@ def flood(url: str, n_flood: int, seconds: float, tokens: int, fill: bool = True
             common.wait_until(lambda: bulk.queue.stats()["workers"] >= 1, 180, "the worker")
             bulk.queue.update_settings(fill_from_slower=fill)  # read by every claim
             for client in (bulk, live):
-                client.counter("load the tokenizer the worker announced")
+                client.count_tokens("load the tokenizer the worker announced")
             common.freeze()
             started = time.perf_counter()
             bulk.enqueue_many(({"input": t, "priority": "batch"} for t in texts[:n_flood]), reply=False)

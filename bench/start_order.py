@@ -51,7 +51,7 @@ def produce(url: str, queue: str, n: int, mode: str) -> None:
     assert "transformers" not in sys.modules or sys.modules["transformers"] is None
     texts = passages(n)
     with Client(url, queue) as client:
-        assert client.counter(texts[0]) is None, "this producer must not count exactly"
+        assert client.count_tokens(texts[0]) is None, "this producer must not count exactly"
         started = time.perf_counter()
         if mode == "map":
             assert all(r.ok for r in client.map(texts, max_in_flight=len(texts)))

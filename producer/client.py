@@ -207,7 +207,7 @@ class Client:
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""
-        return make_request(fields, self._new_id, self.counter)
+        return make_request(fields, self._new_id, self.count_tokens)
 
     def _forget_delivered(self, ids: list[str]) -> None:
         if self._delete_delivered is None:
@@ -215,7 +215,7 @@ class Client:
         if self._delete_delivered:
             self.queue.forget_results(ids)
 
-    def counter(self, value: Any) -> int | None:
+    def count_tokens(self, value: Any) -> int | None:
         """Exact tokens of ``value`` with the queue's tokenizer; None: estimated."""
         return self._count(value)
 

@@ -78,7 +78,7 @@ def test_producers_count_with_the_queue_tokenizer_once_it_appears(redis_url: str
         run_cli("queue", "config", queue_name, "--tokenizer", resolve_model("minilm"),
                 "--max-input-tokens", "256", redis_url=redis_url)
         # the same client asks again while it has no tokenizer
-        wait_for(lambda: client.counter(text) is not None, 5, "the client to load the tokenizer")
+        wait_for(lambda: client.count_tokens(text) is not None, 5, "the client to load the tokenizer")
         client.enqueue(text, id="after")
         client.enqueue(" ".join(["word"] * 600), id="long")
         sched = client.queue.client.hmget(client.queue.keys.sched, ["before", "after", "long"])

@@ -19,7 +19,7 @@ from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import Runner
 
 log = logging.getLogger(__name__)
-DONE = None  # put on the batch queue when a burst worker has drained its queue
+DRAINED = None  # put on the batch queue when a burst worker has drained its queue
 RETRY_CAP_S = 5.0
 PRICING_ROUNDS = 3
 
@@ -47,13 +47,13 @@ class Claimer(threading.Thread):
         A batch claimed ahead goes back to the queue if something more urgent arrived
         while it waited (a realtime request during a flood): the next claim starts with
         that request instead of making it wait for one more batch. Once a burst is drained,
-        every caller gets DONE.
+        every caller gets DRAINED.
         """
         while True:
             batch, frees_slot = self.batches.get(timeout=timeout)
-            if batch is DONE:
-                self.batches.put((DONE, False))  # every model thread that asks sees it
-                return DONE
+            if batch is DRAINED:
+                self.batches.put((DRAINED, False))  # every model thread that asks sees it
+                return DRAINED
             given_back = self._give_back_if_overtaken(batch)
             if frees_slot:
                 self.slots.release()
@@ -81,7 +81,7 @@ class Claimer(threading.Thread):
                 batch, _ = self.batches.get_nowait()
             except queue.Empty:
                 return left
-            if batch is not DONE:
+            if batch is not DRAINED:
                 left.append(batch)
 
     def run(self) -> None:
@@ -99,7 +99,7 @@ class Claimer(threading.Thread):
                 backoff = min(backoff * 2, RETRY_CAP_S)
                 continue
             if batches is None:
-                self.batches.put((DONE, False))
+                self.batches.put((DRAINED, False))
                 return
             if not batches:
                 self.slots.release()

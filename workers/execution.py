@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchery import tracing
 from batchery.batching.messages import Claimed
@@ -42,11 +42,19 @@ class Outcome:
     run_ms: float = 0.0
 
 
+class ModelRun(NamedTuple):
+    """One call of the model: a batch, or a request alone after its batch failed."""
+
+    size: int      # requests
+    tokens: int    # real tokens
+    padded: int    # tokens with padding (longest x size)
+
+
 @dataclass
 class Executed:
     claimed_ms: int
     outcomes: list[Outcome]
-    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (size, tokens, padded)
+    runs: list[ModelRun] = field(default_factory=list)
 
 
 class BatchCap:
@@ -126,7 +134,7 @@ class Executor:
                 raise RuntimeError(f"the runner returned {len(outputs)} outputs for {len(requests)} inputs")
         seconds = time.perf_counter() - started
         size, tokens = len(requests), sum(prepared.lengths)
-        executed.runs.append((size, tokens, prepared.padded))
+        executed.runs.append(ModelRun(size, tokens, prepared.padded))
         metrics.BATCH_SIZE.observe(size)
         metrics.BATCH_TOKENS.observe(prepared.padded)
         metrics.PADDING.observe(prepared.efficiency)

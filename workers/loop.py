@@ -22,7 +22,7 @@ from batchery import tracing
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
 from batchery.workers import metrics
-from batchery.workers.claiming import DONE, Claimer
+from batchery.workers.claiming import DRAINED, Claimer
 from batchery.workers.execution import BatchCap, Executed, Executor, Outcome
 from batchery.workers.leases import Heartbeat, Leases
 from batchery.workers.options import WorkerOptions
@@ -125,7 +125,7 @@ class Worker:
                     batch = claimer.take(timeout=0.2)
                 except queue.Empty:
                     continue
-                if batch is DONE:
+                if batch is DRAINED:
                     return
                 executed = executor.run(batch)
                 writer.submit(executed)
@@ -137,8 +137,8 @@ class Worker:
             raise
 
     def _tally(self, executed: Executed) -> None:
-        for size, tokens, padded in executed.runs:
-            self.count(runs=1, requests=size, tokens=tokens, padded=padded)
+        for run in executed.runs:
+            self.count(runs=1, requests=run.size, tokens=run.tokens, padded=run.padded)
         self.count(claimed_ms=executed.claimed_ms)
 
     def count(self, runs: int = 0, requests: int = 0, tokens: int = 0, padded: int = 0,

@@ -92,8 +92,8 @@ class ResultWriter(threading.Thread):
         failed = [o for o in executed.outcomes if o.retry]
         encoded = [self._encode(o, executed.claimed_ms) for o in final]
         totals = {"batches": len(executed.runs),
-                  "tokens": sum(t for _, t, _ in executed.runs),
-                  "padded_tokens": sum(p for _, _, p in executed.runs),
+                  "tokens": sum(run.tokens for run in executed.runs),
+                  "padded_tokens": sum(run.padded for run in executed.runs),
                   **Counter(status for status, _ in encoded)}
         committed = self.queue.complete(
             [(o.request.id, o.request.token, payload) for o, (_, payload) in zip(final, encoded)],
