@@ -302,6 +302,30 @@ def released(requests: Sequence[Any], reason: str) -> None:
             _close(entry, now, "released", reason)
 
 
+def reaped(queue: Any, requeued: Sequence[str], dead: Sequence[str]) -> None:
+    """Leases the reaper took back (their worker died or hung): a ``reap`` span in each
+    traced request's trace, with the event of what became of it."""
+    tracer = _tracer()
+    if tracer is None or not (requeued or dead):
+        return
+    ids = [*requeued, *dead]
+    now = time.time_ns()
+    for request_id, traceparent in zip(ids, queue.traces(ids)):
+        parent = _parent(traceparent)
+        if not parent:  # untraced, or its producer did not sample it
+            continue
+        last = request_id in dead
+        span = tracer.start_span(f"reap {queue.name}", context=parent, start_time=now,
+                                 attributes={"messaging.system": SYSTEM,
+                                             "messaging.message.id": request_id})
+        reason = "its worker died or hung: the lease expired"
+        span.add_event("dead-lettered" if last else "requeued", {"batchery.reason": reason},
+                       timestamp=now)
+        if last:
+            _error(span, reason)
+        span.end(now)
+
+
 def _traced(requests: Sequence[Any]) -> list[tuple[Any, _Open]]:
     found = [(r, _open.get(r.id)) for r in requests] if _open else []
     return [(r, e) for r, e in found if e is not None and e.token == r.token]

@@ -193,6 +193,15 @@ _RESULT_FIELDS = tuple(Result.__dataclass_fields__)
 _RESULT_KEYS = set(_RESULT_FIELDS)
 
 
+def stored_trace(payload: str | None) -> Any:
+    """The trace context in a stored request's JSON (None: none, or not JSON)."""
+    try:
+        body = json.loads(payload) if payload else None
+    except ValueError:
+        return None
+    return body.get("trace") if isinstance(body, dict) else None
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A request as a worker receives it from a claim."""

@@ -17,7 +17,7 @@ import redis
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.settings import QueueSettings
-from batchery.batching.messages import (CANCELLED, Claimed, Request, Result,
+from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, stored_trace,
                                         estimate_tokens)
 from batchery.batching.scripts import Scripts
 
@@ -52,6 +52,14 @@ class ClaimReply:
     batch: list[Claimed] = field(default_factory=list)
     # candidates priced by estimate, (id, input): count and reprice them, then claim again
     to_price: list[tuple[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Reaped:
+    """What one reap took back: ids back in the queue, ids dead-lettered."""
+
+    requeued: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
 
 
 class RequestQueue:
@@ -249,24 +257,31 @@ class RequestQueue:
         finished (one read, for a check between decode steps)."""
         return list(self.client.hmget(self.keys.owner, list(ids))) if ids else []
 
-    def reap(self, limit: int = 1000) -> tuple[int, int]:
-        """Take back expired leases: (requeued, dead-lettered); forget dead letters older
-        than dead_ttl."""
+    def reap(self, limit: int = 1000) -> Reaped:
+        """Take back expired leases: back in the queue, or dead-lettered after their last
+        attempt; forget dead letters older than dead_ttl."""
         k = self.keys
         fixed = [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
                  k.stats, k.requests, k.history]
         args = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
                 limit, DEFAULTS.dead_ttl]
-        requeued = dead = 0
+        reaped = Reaped()
         extra: list[str] = []
         for _ in range(2):  # a second call declares the keys of those it dead-letters
             reply = self.scripts.reap(fixed + extra, args)
-            requeued, dead = requeued + int(reply[0]), dead + int(reply[1])
-            pending = reply[3:]  # id, client pairs; the next beat takes any left
-            if not pending:
+            requeued, dead, n = int(reply[0]), int(reply[1]), int(reply[3])
+            pending, ids = reply[4:4 + n], reply[4 + n:]  # id, client pairs; the reaped ids
+            reaped.requeued += ids[:requeued]
+            reaped.dead += ids[requeued:requeued + dead]
+            if not pending:  # the next beat takes any left
                 break
             extra = declared_keys(k, pending[0::2], pending[1::2])
-        return requeued, dead
+        return reaped
+
+    def traces(self, ids: Sequence[str]) -> list[str | None]:
+        """The trace context each stored request carries (None: none, or gone)."""
+        raws = self.client.hmget(self.keys.requests, list(ids)) if ids else []
+        return [stored_trace(r) for r in raws]
 
     def release(self, leases: Sequence[tuple[str, str]]) -> int:
         """Return claims this worker will not run to the queue, at their rank."""

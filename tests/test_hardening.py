@@ -9,7 +9,7 @@ import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.messages import Request
-from batchery.batching.queue import RequestQueue
+from batchery.batching.queue import Reaped, RequestQueue
 from batchery.batching.scripts import NAMES, Scripts, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
@@ -196,7 +196,7 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     assert queue.renew("w", [(d.id, d.token)]) == []
     assert queue.lookup(["a", "b", "c"]) == [queue.result("a"), queue.result("b"), True]
     assert queue.revive(everything=True) == 1 and queue.purge(["x"], everything=True) == 0
-    wait_for(lambda: queue.reap() == (0, 1), timeout=10)  # d's lease lapsed: dead
+    wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
     assert queue.renew("w", []) == []
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
 

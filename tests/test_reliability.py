@@ -282,7 +282,7 @@ def test_a_second_signal_stops_at_once_and_leases_cover_the_rest(rconn, redis_ur
     assert queue.results(ids) == [None] * 4  # it did not wait for the 5 s batch to commit
     assert "second SIGINT: stopping at once" in log.read_text()
     reaped: list[int] = []  # the leases expire (1 s); a reaper takes the requests back
-    wait_for(lambda: reaped.append(queue.reap()[0]) or sum(reaped) == 4, 20,
+    wait_for(lambda: reaped.append(len(queue.reap().requeued)) or sum(reaped) == 4, 20,
              message="the leases to expire and be reaped")
     run_burst(redis_url, queue_name)
     assert [r.output["echo"] for r in queue.results(ids)] == [0, 1, 2, 3]

@@ -10,7 +10,7 @@ import redis
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.messages import Request
-from batchery.batching.queue import RequestQueue
+from batchery.batching.queue import Reaped, RequestQueue
 from tests.conftest import wait_for
 
 
@@ -83,7 +83,7 @@ def test_a_late_result_after_takeover_is_discarded(queue: RequestQueue) -> None:
     queue.enqueue(requests("a"), "c")
     first = queue.claim("dead-worker#1", 10, 10_000, 0, 10).batch
     time.sleep(1.1)
-    assert queue.reap() == (1, 0)
+    assert queue.reap() == Reaped(requeued=["r0"])
     second = queue.claim("live-worker#1", 10, 10_000, 0, 10).batch
     assert second[0].attempt == 2  # the lost lease counted as an attempt
     assert ok(queue, first, "late") == [False]
@@ -110,7 +110,7 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
         assert queue.renew("w", [(r.id, r.token) for r in claimed]) == []
         assert all(e >= renewed_at + 1000 > p for e, p in zip(expiries(), previous))
     assert server_ms() > max(first)  # without the renewals these leases had expired
-    assert queue.reap() == (0, 0)
+    assert queue.reap() == Reaped()
     assert queue.renew("w", [("r0", "someone-else")]) == ["r0"]
 
 
@@ -163,7 +163,7 @@ def test_a_dead_letter_says_how_each_attempt_ended(queue: RequestQueue) -> None:
     time.sleep(1.05)
     assert queue.claim("w#3", 10, 10_000, 0, 10).batch[0].attempt == 3  # then it dies
     time.sleep(1.1)
-    assert queue.reap() == (0, 1)
+    assert queue.reap() == Reaped(dead=["r0"])
     assert queue.result("r0").error == {"type": "RuntimeError", "message": (
         "boom (attempt 1: RuntimeError: boom; attempt 2: RuntimeError: boom; "
         "attempt 3: lease expired, the worker died or hung)")}
@@ -175,7 +175,7 @@ def test_a_dead_letter_of_lost_leases_only_is_a_lease_expired(queue: RequestQueu
     for attempt in (1, 2):
         assert queue.claim(f"w#{attempt}", 10, 10_000, 0, 10).batch[0].attempt == attempt
         time.sleep(1.1)
-        assert queue.reap() == ((1, 0) if attempt == 1 else (0, 1))
+        assert queue.reap() == (Reaped(requeued=["r0"]) if attempt == 1 else Reaped(dead=["r0"]))
     assert queue.result("r0").error == {"type": "LeaseExpired", "message": (
         "the worker running this request stopped renewing its lease (attempt 1: lease "
         "expired, the worker died or hung; attempt 2: lease expired, the worker died or hung)")}
@@ -238,7 +238,7 @@ def test_reaper_dead_letters_after_max_attempts(queue: RequestQueue) -> None:
     queue.enqueue(requests("a"), "client-x")
     queue.claim("w#1", 10, 10_000, 0, 10)
     time.sleep(1.1)
-    assert queue.reap() == (0, 1)
+    assert queue.reap() == Reaped(dead=["r0"])
     result = queue.result("r0")
     assert result.status == "dead" and result.error["type"] == "LeaseExpired"
     pushed = queue.client.lrange(queue.keys.reply("client-x"), 0, -1)

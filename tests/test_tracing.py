@@ -306,3 +306,32 @@ def test_async_client_enqueues_inside_the_callers_trace(redis_url: str, queue_na
     # the cancelled result reached the caller: its wait ended with it
     awaited = spans.one("await result")
     assert awaited.parent_id == sent.span_id and awaited.attributes["batchery.status"] == "cancelled"
+
+
+def test_a_request_the_reaper_dead_letters_says_so_in_its_trace(
+        redis_url: str, queue_name: str, receiver: Receiver, provider: Any) -> None:
+    """Its worker is killed on the last attempt: a live worker's reaper dead-letters it,
+    and the caller's trace holds a reap span with the event and the reason."""
+    sdk, _ = provider
+    with Client(redis_url, queue_name) as client:
+        client.queue.update_settings(max_attempts=1, lease_seconds=1)
+        doomed = start_worker(redis_url, queue_name, "--runner", "tests.runners:slow",
+                              BATCHERY_TEST_SLEEP="60")
+        with sdk.get_tracer("test").start_as_current_span("caller"):
+            handle = client.enqueue("a")
+        wait_for(lambda: client.queue.stats()["inflight"] == 1, 60, message="the claim")
+        doomed.kill()
+        doomed.wait(10)
+        reaper = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                              **receiver.env())
+        try:
+            assert handle.result(timeout=30).status == "dead"
+        finally:
+            assert stop_process(reaper) == 0  # it exports what it has left as it exits
+    spans = Trace([from_sdk(s) for s in provider[1].get_finished_spans()] + receiver.spans)
+    enqueue = spans.one(f"enqueue {queue_name}")
+    reap = spans.one(f"reap {queue_name}")
+    assert (reap.parent_id, reap.trace_id) == (enqueue.span_id, enqueue.trace_id)
+    assert [name for name, _ in reap.events] == ["dead-lettered"]
+    assert "lease expired" in reap.events[0][1]["batchery.reason"]
+    assert reap.error

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable
 
 import redis
 
+from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
 from batchery.connection import transient
@@ -93,10 +94,11 @@ class Heartbeat(threading.Thread):
         lock_ms = max(1, int(self.interval_s * 1000 * 0.9))
         if self.queue.take_reaper_turn(self.worker_id, lock_ms):
             self.queue.forget_workers(older_than_s=WORKER_FORGOTTEN_AFTER_LEASES * settings.lease_seconds)
-            requeued, dead = self.queue.reap()
-            if requeued or dead:
+            reaped = self.queue.reap()
+            if reaped.requeued or reaped.dead:
                 log.warning("reaper: %d expired lease(s) back in the queue, %d dead-lettered",
-                            requeued, dead)
-                metrics.DEAD_LETTERS.inc(dead)
+                            len(reaped.requeued), len(reaped.dead))
+                metrics.DEAD_LETTERS.inc(len(reaped.dead))
+                tracing.reaped(self.queue, reaped.requeued, reaped.dead)
         for priority, n in self.queue.depth().items():
             metrics.QUEUE_DEPTH.labels(self.queue.name, priority).set(n)

@@ -15,7 +15,8 @@
 -- to declare in a second call.
 -- Dead letters older than dead_ttl are forgotten (up to ARGV[5] of them): their working
 -- state and their `dead` entry go, so the id may be enqueued afresh.
--- Returns {requeued, dead, forgotten, undeclared pairs: id, client ...}.
+-- Returns {requeued, dead, forgotten, n, n/2 undeclared pairs (id, client), the ids
+--   requeued, the ids dead-lettered}.
 local K = named_keys({'leased', 'owner', 'attempts', 'pending', 'sched', 'dead',
                       'settings', 'depth', 'stats', 'requests', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
@@ -25,6 +26,7 @@ local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[6]))
 local now = now_ms()
 local ids = rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, dead, counts, undeclared = 0, 0, {}, {}
+local requeued_ids, dead_ids = {}, {}
 
 -- Dead-letter s's request when this lapse is its last attempt: false when its keys
 -- were not declared (nothing written then).
@@ -46,9 +48,11 @@ local function lapse(id, s)
       queued_ms = now - s.enq, run_ms = cjson.null})
     dead_letter(K.dead, result_prefix, reply_prefix, id, s.client, json, ttl, dead_ttl, now)
     dead = dead + 1
+    dead_ids[dead] = id
   else
     requeue(K.pending, id, s, counts)
     requeued = requeued + 1
+    requeued_ids[requeued] = id
   end
   return true
 end
@@ -77,6 +81,8 @@ if #stale > 0 then
   call_chunked('ZREM', K.dead, stale)
   forget(K, stale)
 end
-local reply = {requeued, dead, #stale}
-for _, v in ipairs(undeclared) do reply[#reply + 1] = v end
+local reply = {requeued, dead, #stale, #undeclared}
+for _, list in ipairs({undeclared, requeued_ids, dead_ids}) do
+  for _, v in ipairs(list) do reply[#reply + 1] = v end
+end
 return reply
