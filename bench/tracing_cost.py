@@ -83,7 +83,7 @@ def run_one(url: str, setting: str, n: int, queue: str) -> dict[str, Any]:
     from bench import queue_cost
     tracing.configure("bench-client")
     row = queue_cost.run_batchery(url, n, 1024, queue=queue)
-    return {**row, "setting": setting, "traced": tracing.trace is not None and tracing._tracer() is not None}
+    return {**row, "setting": setting, "traced": tracing.trace is not None and tracing.get_tracer() is not None}
 
 
 def runs(url: str, n: int, repeat: int) -> Iterator[dict[str, Any]]:

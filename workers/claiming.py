@@ -9,10 +9,9 @@ from typing import Any, Callable
 
 import redis
 
-from batchery import tracing
 from batchery.batching.messages import Claimed, estimate_tokens
 from batchery.batching.queue import ClaimReply, RequestQueue
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.options import WorkerOptions

@@ -9,11 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
 from batchery.batching.streams import StreamWriter
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Executed, Outcome, failure
 from batchery.workers.leases import Leases, report_redis_error

@@ -10,9 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batchery import tracing
 from batchery.batching.messages import Claimed
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 from batchery.workers.runners import InputError, Prepared, Runner
 
 log = logging.getLogger(__name__)

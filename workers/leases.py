@@ -8,11 +8,10 @@ from typing import Any, Callable, Iterable
 
 import redis
 
-from batchery import tracing
 from batchery.batching.messages import Claimed
 from batchery.batching.queue import RequestQueue
 from batchery.connection import transient
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 
 log = logging.getLogger(__name__)
 WORKER_FORGOTTEN_AFTER_LEASES = 100  # dead workers leave `stats` at once; the registry later

@@ -18,10 +18,9 @@ from typing import Any, Callable
 
 import redis
 
-from batchery import tracing
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings, transient
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 from batchery.workers.claiming import DRAINED, Claimer
 from batchery.workers.execution import BatchCap, Executed, Executor, Outcome
 from batchery.workers.leases import Heartbeat, Leases

@@ -10,11 +10,10 @@ from typing import Any, Callable
 
 import redis
 
-from batchery import tracing
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
 from batchery.batching.queue import RequestQueue
 from batchery.connection import transient
-from batchery.workers import metrics
+from batchery.workers import metrics, tracing
 from batchery.workers.execution import Executed, Outcome
 from batchery.workers.leases import Leases
 
