@@ -11,7 +11,8 @@
 -- KEYS[10] claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
--- ARGV[5] lookahead (how many of the most urgent requests to choose from)
+-- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
+--         claim stops at a batch's worth when those settle the batch, see below)
 -- ARGV[6] default lease_seconds
 -- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
 --         to price (see reprice.lua) before any batch is chosen; 0: choose on estimates
@@ -86,43 +87,65 @@ if #due > 0 then
   call_chunked('ZREM', K.delayed, due)
 end
 
--- a candidate's rank is its pending score, and is in its sched entry too: read there
-local ids = rcall('ZRANGE', K.pending, 0, lookahead - 1)
+-- Candidates are read lazily: first as many as a batch holds. When those are all live,
+-- as long as the head and no less urgent, no later candidate can displace one of them
+-- (the closest length to the head wins, ties by rank), so the batch is theirs and the
+-- rest of the lookahead is not read: a fixed-length or no-op workload reads each request
+-- once, not lookahead / batch size times. Otherwise the claim reads on to `lookahead`.
+-- (batching/policy.py settled_by states the same rule.)
+local window = math.min(max_size, lookahead)
+local ids = rcall('ZRANGE', K.pending, 0, window - 1)
 if #ids == 0 then
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
 end
+-- a candidate's rank is its pending score, and is in its sched entry too: read there
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
 -- enqueue time); the taken ones' class is read once taken. This loop is most of a
--- claim's time (lookahead candidates per batch): lengths and delays are converted once
--- per distinct text (requests enqueued by one call share "enqueued:rank"), and a
--- deadline only when there is one.
+-- claim's time: lengths and delays are converted once per distinct text (requests
+-- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
 local length_of, delay_of, head_enq = {}, {}, nil
-for i, id in ipairs(ids) do
-  local mark, tokens, expire, enq_rank
-  if scheds[i] then
-    mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
-  end
-  if not tokens then
-    orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
-  elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
-    expired[#expired + 1] = i
-  else
-    live[#live + 1] = i
-    local length, delay = length_of[tokens], delay_of[enq_rank]
-    if not length then length = tonumber(tokens); length_of[tokens] = length end
-    if not delay then
-      local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
-      delay = tonumber(rank) - tonumber(enq)
-      delay_of[enq_rank] = delay
+local function scan(first)
+  for i = first, #ids do
+    local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
+    if scheds[i] then
+      mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
     end
-    lengths[#live], delays[#live] = length, delay
-    head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
-    if mark == '~' then estimated[#estimated + 1] = id end
+    if not tokens then
+      orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
+    elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
+      expired[#expired + 1] = i
+    else
+      live[#live + 1] = i
+      local length, delay = length_of[tokens], delay_of[enq_rank]
+      if not length then length = tonumber(tokens); length_of[tokens] = length end
+      if not delay then
+        local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
+        delay = tonumber(rank) - tonumber(enq)
+        delay_of[enq_rank] = delay
+      end
+      lengths[#live], delays[#live] = length, delay
+      head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
+      if mark == '~' then estimated[#estimated + 1] = id end
+    end
+  end
+end
+scan(1)
+local settled = #live == window
+for j = 2, #live do
+  if not settled then break end
+  settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
+end
+if not settled and #ids == window and window < lookahead then
+  local more = rcall('ZRANGE', K.pending, window, lookahead - 1)
+  if #more > 0 then
+    local more_scheds = rcall('HMGET', K.sched, unpack(more))
+    for n = 1, #more do ids[window + n], scheds[window + n] = more[n], more_scheds[n] end
+    scan(window + 1)
   end
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
