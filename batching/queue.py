@@ -50,7 +50,7 @@ class ClaimReply:
     wait_ms: int                                  # > 0: held back; -1: nothing pending
     expired: list[Claimed] = field(default_factory=list)
     batch: list[Claimed] = field(default_factory=list)
-    # candidates priced by estimate, (id, input): count and reprice them, then claim again
+    # candidates priced by estimate, (id, input): count them, claim again with the counts
     to_price: list[tuple[str, Any]] = field(default_factory=list)
 
 
@@ -160,24 +160,20 @@ class RequestQueue:
 
     # -- workers -----------------------------------------------------------------------
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
-              lookahead: int, price_estimates: bool = False) -> ClaimReply:
+              lookahead: int, price_estimates: bool = False,
+              counts: Sequence[tuple[str, int]] = ()) -> ClaimReply:
         """Lease the next batch. ``price_estimates``: this worker counts tokens exactly, so
         when candidates are priced by estimate nothing is leased and ``to_price`` lists
-        them: count them, :meth:`reprice`, claim again."""
+        them: count them, claim again with their (id, exact tokens) as ``counts``. The
+        claim chooses on those and stores the counts of the ones it leaves queued."""
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
              k.settings, k.depth, k.claim(token)],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
-             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates)])
+             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
+             *(v for pair in counts for v in pair)])
         return parse_claim(reply, token)
-
-    def reprice(self, counts: Sequence[tuple[str, int]]) -> int:
-        """Write exact token counts of requests priced by estimate; how many were still so."""
-        if not counts:
-            return 0
-        args = [v for pair in counts for v in pair]
-        return int(self.scripts.reprice([self.keys.sched], args))
 
     def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:

@@ -15,7 +15,11 @@
 --         claim stops at a batch's worth when those settle the batch, see below)
 -- ARGV[6] default lease_seconds
 -- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
---         to price (see reprice.lua) before any batch is chosen; 0: choose on estimates
+--         to price before any batch is chosen; 0: choose on estimates
+-- ARGV[8..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
+--         claim handed it to price. The claim chooses on them, and writes to sched those
+--         of the ones it does not take, still marked estimated (the ones it leases are
+--         counted again by their worker, and again if they come back for a retry).
 -- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
 --   with n = #ids; the first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
@@ -23,7 +27,7 @@
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
 --   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
---   estimate (scheds and attempts empty): count them, reprice, claim again.
+--   estimate (scheds and attempts empty): count them, claim again with the counts.
 -- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
@@ -33,6 +37,14 @@ local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
+local counted, counted_ids = {}, {}
+for i = 8, #ARGV - 1, 2 do
+  local id, tokens = ARGV[i], ARGV[i + 1]
+  if not counted[id] and string.match(tokens, '^[1-9]%d*$') then  -- first count of an id
+    counted[id] = tokens
+    counted_ids[#counted_ids + 1] = id
+  end
+end
 local now = now_ms()
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
@@ -47,6 +59,25 @@ local function reply_for(wait, out_ids, n_expired, scheds)
     for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
   end
   return reply
+end
+
+-- Write the counts of the counted candidates not in `taken` (id -> true) to sched, where
+-- their entry is still marked estimated ("~N").
+local function write_counts(taken)
+  local rest_ids = {}
+  for _, id in ipairs(counted_ids) do
+    if not taken[id] then rest_ids[#rest_ids + 1] = id end
+  end
+  if #rest_ids == 0 then return end
+  local raws, writes = hmget_chunked(K.sched, rest_ids), {}
+  for n, id in ipairs(rest_ids) do
+    local rest = raws[n] and string.match(raws[n], '^~%d+(:.*)$')
+    if rest then
+      writes[#writes + 1] = id
+      writes[#writes + 1] = counted[id] .. rest
+    end
+  end
+  call_chunked('HSET', K.sched, writes)
 end
 
 -- A remembered claim's reply: the ids of its batch still leased to this token.
@@ -114,6 +145,10 @@ local function scan(first)
     local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
     if scheds[i] then
       mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
+      if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
+        mark, tokens = '', counted[id]
+        scheds[i] = tokens .. string.match(scheds[i], '^~%d+(:.*)$')
+      end
     end
     if not tokens then
       orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
@@ -150,6 +185,7 @@ if not settled and #ids == window and window < lookahead then
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
 if price_estimates and #estimated > 0 then
+  write_counts({})
   local reply = {now, -2, 0}
   for _, id in ipairs(estimated) do reply[#reply + 1] = id end
   local payloads = rcall('HMGET', K.requests, unpack(estimated))
@@ -204,6 +240,9 @@ end
 local take = {}
 for _, i in ipairs(expired) do take[#take + 1] = i end
 for _, i in ipairs(batch) do take[#take + 1] = i end
+local taken = {}
+for _, i in ipairs(take) do taken[ids[i]] = true end
+write_counts(taken)
 if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
