@@ -183,13 +183,15 @@ class RequestQueue:
         if not items:
             return []
         k = self.keys
+        ids = [item[0] for item in items]
+        clients = self.clients(ids) if clients is None else clients
         args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                            ",".join(f"{name}={n}" for name, n in totals.items() if n)]
-        for item in items:
-            args += item
+        for item, client in zip(items, clients, strict=True):
+            args += (*item, client)
         flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
                                        k.settings, k.stats, k.history,
-                                       *self._declared(items, clients)], args)
+                                       *declared_keys(k, ids, clients)], args)
         return [bool(f) for f in flags]
 
     def _declared(self, items: Sequence[tuple[str, ...]], clients: Sequence[str] | None) -> list[str]:
