@@ -48,6 +48,20 @@ def padded_tokens(token_counts: list[int]) -> int:
     return max(token_counts) * len(token_counts) if token_counts else 0
 
 
+def settled_by(candidates: list[Candidate], now_ms: int, max_batch_size: int) -> bool:
+    """Whether the first ``max_batch_size`` of the rank-ordered lookahead decide the batch
+    alone, so that the claim reads no further (``lua/claim.lua``): all of them live, as
+    long as the head and of a class no slower than its. A later candidate is then never
+    closer in length to the head than they are, nor earlier in rank, so
+    :func:`select_batch` chooses among them only. ``candidates``: the first ones as read
+    (an orphan, pending without state, is None)."""
+    first = candidates[:max_batch_size]
+    if len(first) < max_batch_size or any(c is None or 0 < c.expire_ms <= now_ms for c in first):
+        return False
+    head = first[0]
+    return all(c.tokens == head.tokens and c.delay_ms <= head.delay_ms for c in first)
+
+
 def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
                  max_batch_tokens: int, max_wait_ms: int, fill_from_slower: bool = True
                  ) -> Selection:

@@ -50,7 +50,7 @@ class ClaimReply:
     wait_ms: int                                  # > 0: held back; -1: nothing pending
     expired: list[Claimed] = field(default_factory=list)
     batch: list[Claimed] = field(default_factory=list)
-    # candidates priced by estimate, (id, input): count and reprice them, then claim again
+    # candidates priced by estimate, (id, input): count them, claim again with the counts
     to_price: list[tuple[str, Any]] = field(default_factory=list)
 
 
@@ -168,24 +168,20 @@ class RequestQueue:
 
     # -- workers -----------------------------------------------------------------------
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
-              lookahead: int, price_estimates: bool = False) -> ClaimReply:
+              lookahead: int, price_estimates: bool = False,
+              counts: Sequence[tuple[str, int]] = ()) -> ClaimReply:
         """Lease the next batch. ``price_estimates``: this worker counts tokens exactly, so
         when candidates are priced by estimate nothing is leased and ``to_price`` lists
-        them: count them, :meth:`reprice`, claim again."""
+        them: count them, claim again with their (id, exact tokens) as ``counts``. The
+        claim chooses on those and stores the counts of the ones it leaves queued."""
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
              k.settings, k.depth, k.claim(token)],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
-             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates)])
+             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
+             *(v for pair in counts for v in pair)])
         return parse_claim(reply, token)
-
-    def reprice(self, counts: Sequence[tuple[str, int]]) -> int:
-        """Write exact token counts of requests priced by estimate; how many were still so."""
-        if not counts:
-            return 0
-        args = [v for pair in counts for v in pair]
-        return int(self.scripts.reprice([self.keys.sched], args))
 
     def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:
@@ -195,13 +191,15 @@ class RequestQueue:
         if not items:
             return []
         k = self.keys
+        ids = [item[0] for item in items]
+        clients = self.clients(ids) if clients is None else clients
         args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                            ",".join(f"{name}={n}" for name, n in totals.items() if n)]
-        for item in items:
-            args += item
+        for item, client in zip(items, clients, strict=True):
+            args += (*item, client)
         flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
                                        k.settings, k.stats, k.history,
-                                       *self._declared(items, clients)], args)
+                                       *declared_keys(k, ids, clients)], args)
         return [bool(f) for f in flags]
 
     def _declared(self, items: Sequence[tuple[str, ...]], clients: Sequence[str] | None) -> list[str]:

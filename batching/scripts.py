@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "reprice", "workers", "oldest")
+         "lookup", "workers", "oldest")
 
 
 @lru_cache(maxsize=None)
@@ -41,7 +41,6 @@ class Scripts:
     purge: Any
     release: Any
     lookup: Any
-    reprice: Any
     workers: Any
     oldest: Any
 

@@ -15,7 +15,8 @@ redis-server's CPU time.
 
 ``python -m bench.redis_time [-n N] [--repeat R]`` measures the parts one at a time
 instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
-1024, lookahead 4096), completed and delivered, redis-server's CPU read around each
+1024, lookahead 4096, as a worker that counts tokens: the estimated candidates handed to
+it first), completed and delivered, redis-server's CPU read around each
 part; the best of 3 runs (or of R).
 """
 
@@ -41,7 +42,7 @@ COLUMNS = [("part", "part", ""), ("calls", "calls", ",d"), ("share", "share of c
 TOP_COLUMNS = [("command", "command (INFO commandstats)", ""), ("calls", "calls", ",d"),
                ("us", "command time, us per request", ".2f")]
 SCRIPT_CLIENT = b"?:0"  # the slow log's client address for commands a script calls
-SCRIPT_PARTS = {"enqueue": "enqueue", "claim": "claim", "reprice": "claim",
+SCRIPT_PARTS = {"enqueue": "enqueue", "claim": "claim",
                 "complete": "complete"}
 
 
@@ -137,9 +138,14 @@ def phases(url: str, n: int) -> dict[str, float]:
         return out
 
     def claim_all() -> list[Any]:
+        """As a worker that counts tokens: handed the estimated candidates, it counts
+        them (1 token each, as bench.runners:noop) and claims with its counts."""
         claimed: list[Any] = []
         while len(claimed) < n:
-            claimed += queue.claim(f"w#{len(claimed)}", 1024, 10**9, 0, 4096).batch
+            token = f"w#{len(claimed)}"
+            reply = queue.claim(token, 1024, 10**9, 0, 4096, price_estimates=True)
+            counts = [(i, 1) for i, _ in reply.to_price]
+            claimed += queue.claim(token, 1024, 10**9, 0, 4096, counts=counts).batch
         return claimed
 
     def complete_all(claimed: list[Any]) -> None:

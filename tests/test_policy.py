@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
-from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch
+from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch, settled_by
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer
 
@@ -177,6 +177,9 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
     # the lookahead is the first `lookahead` pending ids (orphans included, then dropped)
     window = [c for c, kind in zip(shifted, kinds) if kind != "not due"][:lookahead]
     orphans = {c.id for c, kind in zip(shifted, kinds) if kind == "orphan"}
+    # ... read lazily: no further than a batch's worth when those settle the batch
+    if settled_by([None if c.id in orphans else c for c in window], reply.now_ms, max_size):
+        window = window[:max_size]
     expected = select_batch([c for c in window if c.id not in orphans], reply.now_ms, max_size,
                             max_tokens, max_wait, fill_from_slower)
     assert [r.id for r in reply.expired] == expected.expired
@@ -193,4 +196,24 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
         <= still_pending  # nothing queued lost: untaken ones (due retries too) wait in pending
     assert set(client.zrange(k.delayed, 0, -1)) == \
         {c.id for c, kind in zip(shifted, kinds) if kind == "not due"}
+    client.close()
+
+
+def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServer) -> None:
+    """Equal lengths at the head: the claim reads a batch's worth, not the lookahead (an
+    orphan further back, which a read would drop, stays); a longer head reads on."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, "policy-lazy")
+    k: Keys = queue.keys
+    for tokens in ((5, 5, 5), (9, 5, 5)):
+        client.delete(k.pending, k.sched, k.requests)
+        now = int(client.time()[0]) * 1000
+        for n, t in enumerate(tokens):
+            client.zadd(k.pending, {f"r{n}": now + n})
+            client.hset(k.sched, f"r{n}", f"{t}:0:{now + n}:{now + n}:realtime:")
+            client.hset(k.requests, f"r{n}", json.dumps({"input": n}))
+        client.zadd(k.pending, {"orphan": now + 10})
+        reply = queue.claim(f"w#{tokens[0]}", 2, 10_000, 0, lookahead=10)
+        assert [r.id for r in reply.batch] == ["r0", "r1"]
+        assert client.zscore(k.pending, "orphan") == (now + 10 if tokens[0] == 5 else None)
     client.close()

@@ -262,11 +262,15 @@ def test_estimated_requests_are_handed_to_a_counting_worker_then_claimed_on_exac
     reply = queue.claim("w#1", 10, 10_000, 0, 10, price_estimates=True)
     assert reply.batch == [] and queue.stats()["inflight"] == 0
     assert reply.to_price == [("r0", "x" * 400), ("r1", "y" * 40)]
-    assert queue.reprice([("r0", 3), ("r1", 5)]) == 2
-    assert queue.reprice([("r0", 99), ("exact", 99)]) == 0  # a replay, or an exact one: kept
-    assert queue.reprice([("r1", "0"), ("r1", "5:0")]) == 0  # not a count: ignored
+    # it claims again with its counts (an id twice: its first count; not a count: ignored);
+    # a batch of 1 takes r0 on its count, and r1's count is kept for the next claim
+    counts = [("r0", 3), ("r1", 5), ("r1", 99), ("exact", 99), ("r0", "5:0")]
+    first = queue.claim("w#1", 1, 10_000, 0, 10, price_estimates=True, counts=counts).batch
+    assert [(r.id, r.tokens) for r in first] == [("r0", 3)]
+    sched = queue.client.hgetall(queue.keys.sched)
+    assert (sched["r1"].split(":")[0], sched["exact"].split(":")[0]) == ("5", "7")
     claimed = queue.claim("w#2", 10, 10_000, 0, 10, price_estimates=True).batch
-    assert {r.id: r.tokens for r in claimed} == {"r0": 3, "r1": 5, "exact": 7}
+    assert {r.id: r.tokens for r in claimed} == {"r1": 5, "exact": 7}
 
 
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:

@@ -144,18 +144,21 @@ class Claimer(threading.Thread):
 
     def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int) -> ClaimReply:
         """Claim on exact counts: candidates a producer priced by estimate are counted
-        with this runner's tokenizer and written back first (a few rounds at most: new
+        with this runner's tokenizer and sent with the next claim (a few rounds at most: new
         estimated requests can enter the lookahead between two calls)."""
+        counts: list[tuple[str, int]] = []
         for round_ in range(PRICING_ROUNDS + 1):
             reply = self.queue.claim(token, max_size, max_tokens, max_wait_ms,
                                      self.options.claim_lookahead,
-                                     price_estimates=self.counts and round_ < PRICING_ROUNDS)
+                                     price_estimates=self.counts and round_ < PRICING_ROUNDS,
+                                     counts=counts)
             if not reply.to_price:
                 return reply
-            self._reprice(reply.to_price)
+            counts = self._count(reply.to_price)
         return reply
 
-    def _reprice(self, candidates: list[tuple[str, Any]]) -> None:
+    def _count(self, candidates: list[tuple[str, Any]]) -> list[tuple[str, int]]:
+        """(id, exact tokens) of candidates priced by estimate, for the next claim."""
         inputs = [value for _, value in candidates]
         try:
             counts = self.runner.count_tokens(inputs) or [None] * len(inputs)
@@ -164,7 +167,8 @@ class Claimer(threading.Thread):
             counts = [None] * len(inputs)
         # an input that cannot run keeps its estimate, unmarked: it fails when it runs
         exact = [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
-        metrics.REPRICED.inc(self.queue.reprice(exact))
+        metrics.REPRICED.inc(len(exact))
+        return exact
 
     def idle(self, reply: ClaimReply) -> None:
         """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""

@@ -29,7 +29,8 @@ class WorkerOptions:
     max_wait_ms: int = 10
     # Candidates a claim chooses from (0: 1024, or 4 x max_batch_size if more): room to group
     # similar lengths. 1024 gives batches of 16 real paragraphs 94% padding efficiency (64
-    # candidates: 68%) for about 1.5 ms of Redis time per claim (bench/model.py).
+    # candidates: 68%) for about 1.5 ms of Redis time per claim (bench/model.py). Read
+    # lazily: when the first max_batch_size settle the batch (equal lengths), no more.
     lookahead: int = 0
     # Batches claimed and tokenized ahead while the model runs: 1 keeps the model busy.
     prefetch: int = 1

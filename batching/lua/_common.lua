@@ -58,11 +58,6 @@ local function parse_sched(s)
           enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
 end
 
--- The client field of a sched entry ('' for none), without parsing the rest.
-local function sched_client(s)
-  return string.match(s, '^[^:]*:[^:]*:[^:]*:[^:]*:[^:]*:(.*)$') or ''
-end
-
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
 local PAUSED_WAIT_MS = 1000
 

@@ -11,10 +11,15 @@
 -- KEYS[10] claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
--- ARGV[5] lookahead (how many of the most urgent requests to choose from)
+-- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
+--         claim stops at a batch's worth when those settle the batch, see below)
 -- ARGV[6] default lease_seconds
 -- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
---         to price (see reprice.lua) before any batch is chosen; 0: choose on estimates
+--         to price before any batch is chosen; 0: choose on estimates
+-- ARGV[8..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
+--         claim handed it to price. The claim chooses on them, and writes to sched those
+--         of the ones it does not take, still marked estimated (the ones it leases are
+--         counted again by their worker, and again if they come back for a retry).
 -- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
 --   with n = #ids; the first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
@@ -22,7 +27,7 @@
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
 --   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
---   estimate (scheds and attempts empty): count them, reprice, claim again.
+--   estimate (scheds and attempts empty): count them, claim again with the counts.
 -- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
@@ -32,6 +37,14 @@ local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
+local counted, counted_ids = {}, {}
+for i = 8, #ARGV - 1, 2 do
+  local id, tokens = ARGV[i], ARGV[i + 1]
+  if not counted[id] and string.match(tokens, '^[1-9]%d*$') then  -- first count of an id
+    counted[id] = tokens
+    counted_ids[#counted_ids + 1] = id
+  end
+end
 local now = now_ms()
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
@@ -46,6 +59,25 @@ local function reply_for(wait, out_ids, n_expired, scheds)
     for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
   end
   return reply
+end
+
+-- Write the counts of the counted candidates not in `taken` (id -> true) to sched, where
+-- their entry is still marked estimated ("~N").
+local function write_counts(taken)
+  local rest_ids = {}
+  for _, id in ipairs(counted_ids) do
+    if not taken[id] then rest_ids[#rest_ids + 1] = id end
+  end
+  if #rest_ids == 0 then return end
+  local raws, writes = hmget_chunked(K.sched, rest_ids), {}
+  for n, id in ipairs(rest_ids) do
+    local rest = raws[n] and string.match(raws[n], '^~%d+(:.*)$')
+    if rest then
+      writes[#writes + 1] = id
+      writes[#writes + 1] = counted[id] .. rest
+    end
+  end
+  call_chunked('HSET', K.sched, writes)
 end
 
 -- A remembered claim's reply: the ids of its batch still leased to this token.
@@ -86,47 +118,74 @@ if #due > 0 then
   call_chunked('ZREM', K.delayed, due)
 end
 
--- a candidate's rank is its pending score, and is in its sched entry too: read there
-local ids = rcall('ZRANGE', K.pending, 0, lookahead - 1)
+-- Candidates are read lazily: first as many as a batch holds. When those are all live,
+-- as long as the head and no less urgent, no later candidate can displace one of them
+-- (the closest length to the head wins, ties by rank), so the batch is theirs and the
+-- rest of the lookahead is not read: a fixed-length or no-op workload reads each request
+-- once, not lookahead / batch size times. Otherwise the claim reads on to `lookahead`.
+-- (batching/policy.py settled_by states the same rule.)
+local window = math.min(max_size, lookahead)
+local ids = rcall('ZRANGE', K.pending, 0, window - 1)
 if #ids == 0 then
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
 end
+-- a candidate's rank is its pending score, and is in its sched entry too: read there
 local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
 -- enqueue time); the taken ones' class is read once taken. This loop is most of a
--- claim's time (lookahead candidates per batch): lengths and delays are converted once
--- per distinct text (requests enqueued by one call share "enqueued:rank"), and a
--- deadline only when there is one.
+-- claim's time: lengths and delays are converted once per distinct text (requests
+-- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
 local length_of, delay_of, head_enq = {}, {}, nil
-for i, id in ipairs(ids) do
-  local mark, tokens, expire, enq_rank
-  if scheds[i] then
-    mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
-  end
-  if not tokens then
-    orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
-  elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
-    expired[#expired + 1] = i
-  else
-    live[#live + 1] = i
-    local length, delay = length_of[tokens], delay_of[enq_rank]
-    if not length then length = tonumber(tokens); length_of[tokens] = length end
-    if not delay then
-      local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
-      delay = tonumber(rank) - tonumber(enq)
-      delay_of[enq_rank] = delay
+local function scan(first)
+  for i = first, #ids do
+    local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
+    if scheds[i] then
+      mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
+      if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
+        mark, tokens = '', counted[id]
+        scheds[i] = tokens .. string.match(scheds[i], '^~%d+(:.*)$')
+      end
     end
-    lengths[#live], delays[#live] = length, delay
-    head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
-    if mark == '~' then estimated[#estimated + 1] = id end
+    if not tokens then
+      orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
+    elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
+      expired[#expired + 1] = i
+    else
+      live[#live + 1] = i
+      local length, delay = length_of[tokens], delay_of[enq_rank]
+      if not length then length = tonumber(tokens); length_of[tokens] = length end
+      if not delay then
+        local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
+        delay = tonumber(rank) - tonumber(enq)
+        delay_of[enq_rank] = delay
+      end
+      lengths[#live], delays[#live] = length, delay
+      head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
+      if mark == '~' then estimated[#estimated + 1] = id end
+    end
+  end
+end
+scan(1)
+local settled = #live == window
+for j = 2, #live do
+  if not settled then break end
+  settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
+end
+if not settled and #ids == window and window < lookahead then
+  local more = rcall('ZRANGE', K.pending, window, lookahead - 1)
+  if #more > 0 then
+    local more_scheds = rcall('HMGET', K.sched, unpack(more))
+    for n = 1, #more do ids[window + n], scheds[window + n] = more[n], more_scheds[n] end
+    scan(window + 1)
   end
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
 if price_estimates and #estimated > 0 then
+  write_counts({})
   local reply = {now, -2, 0}
   for _, id in ipairs(estimated) do reply[#reply + 1] = id end
   local payloads = rcall('HMGET', K.requests, unpack(estimated))
@@ -181,6 +240,9 @@ end
 local take = {}
 for _, i in ipairs(expired) do take[#take + 1] = i end
 for _, i in ipairs(batch) do take[#take + 1] = i end
+local taken = {}
+for _, i in ipairs(take) do taken[ids[i]] = true end
+write_counts(taken)
 if #take == 0 then return {now, wait, 0} end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)

@@ -4,7 +4,8 @@
 -- KEYS[9..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
--- ARGV[5..] groups of 3: id, lease token, result JSON
+-- ARGV[5..] groups of 4: id, lease token, result JSON, client whose reply list gets it
+--         ('' for none; the claim handed it to the worker with the request)
 -- Returns {c1..cN}: 1 committed; 0 discarded because this claim no longer holds the
 --   lease (it expired and was taken over, or the request was cancelled).
 -- A replay (the connection retried after the reply was lost) finds its own result
@@ -13,21 +14,20 @@ local K = named_keys({'requests', 'sched', 'attempts', 'leased', 'owner', 'setti
                       'stats', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
-local n = (#ARGV - 4) / 3
+local n = (#ARGV - 4) / 4
 if n == 0 then return {} end
 
 local ids = {}
-for i = 1, n do ids[i] = ARGV[4 + (i - 1) * 3 + 1] end
+for i = 1, n do ids[i] = ARGV[4 + (i - 1) * 4 + 1] end
 local owners = rcall('HMGET', K.owner, unpack(ids))
-local scheds = rcall('HMGET', K.sched, unpack(ids))
 
 local done, flags, replies, replayed = {}, {}, {}, false
 for i = 1, n do
-  local base = 4 + (i - 1) * 3
+  local base = 4 + (i - 1) * 4
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
     rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
-    local client = scheds[i] and sched_client(scheds[i]) or ''
+    local client = ARGV[base + 4]
     if client ~= '' then
       replies[client] = replies[client] or {}
       table.insert(replies[client], json)
