@@ -1,6 +1,6 @@
 """The asyncio twin of RequestQueue: the producer's operations awaited.
 
-Same scripts, same call builders and reply parsers (batching/queue.py), over an asyncio
+Same scripts, same call builders and reply parsers (batching/calls.py), over an asyncio
 client, so the synchronous and asyncio clients speak one protocol.
 """
 
@@ -10,10 +10,10 @@ from typing import Any, Sequence
 
 import redis
 
+from batchery.batching.calls import (cancel_call, enqueue_call, lookup_call, memory_full,
+                                     parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import Request, Result
-from batchery.batching.queue import (cancel_call, enqueue_call, lookup_call, memory_full,
-                                     parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
 

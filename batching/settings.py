@@ -113,3 +113,7 @@ LIMITS: dict[str, tuple[float, float]] = {
 _PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}
 _FIELD_TYPES = {f.name: _PARSERS[str(f.type)]
                 for f in fields(QueueSettings) if f.name != "class_delays"}
+
+
+# What a script falls back to where the queue's settings hash lacks a value.
+DEFAULTS = QueueSettings()

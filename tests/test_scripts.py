@@ -14,6 +14,12 @@ from batchery.batching.queue import Reaped, RequestQueue
 from tests.conftest import wait_for
 
 
+def server_ms(queue: RequestQueue) -> int:
+    """Now on the Redis clock, in ms."""
+    seconds, micros = queue.client.time()
+    return seconds * 1000 + micros // 1000
+
+
 def requests(*inputs: object, priority: str = "normal", **fields: object) -> list[Request]:
     return [Request.validated(id=f"r{i}", input=v, priority=priority, **fields)
             for i, v in enumerate(inputs)]
@@ -96,20 +102,16 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
     queue.enqueue(requests("a", "b"), "c")
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
 
-    def server_ms() -> int:
-        seconds, micros = queue.client.time()
-        return seconds * 1000 + micros // 1000
-
     def expiries() -> list[float]:
         return [queue.client.zscore(queue.keys.leased, r.id) for r in claimed]
     first = expiries()
     for _ in range(3):  # renewed each time half a lease has passed
         previous = expiries()
-        wait_for(lambda: server_ms() >= min(previous) - 500, 10, interval=0.01)
-        renewed_at = server_ms()
+        wait_for(lambda: server_ms(queue) >= min(previous) - 500, 10, interval=0.01)
+        renewed_at = server_ms(queue)
         assert queue.renew("w", [(r.id, r.token) for r in claimed]) == []
         assert all(e >= renewed_at + 1000 > p for e, p in zip(expiries(), previous))
-    assert server_ms() > max(first)  # without the renewals these leases had expired
+    assert server_ms(queue) > max(first)  # without the renewals these leases had expired
     assert queue.reap() == Reaped()
     assert queue.renew("w", [("r0", "someone-else")]) == ["r0"]
 
@@ -255,6 +257,8 @@ def test_stored_garbage_becomes_an_error_not_a_crash(queue: RequestQueue) -> Non
 def test_estimated_requests_are_handed_to_a_counting_worker_then_claimed_on_exact_counts(
         queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400, "y" * 40))            # estimated: ~102 and ~12
+    enqueued_ms = server_ms(queue)
+    wait_for(lambda: server_ms(queue) > enqueued_ms, 5)  # "exact" ranks after r0 and r1
     queue.enqueue([Request.validated(id="exact", input="z", tokens=7)])
     sched = queue.client.hgetall(queue.keys.sched)
     assert (sched["r0"].split(":")[0], sched["exact"].split(":")[0]) == ("~102", "7")

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import redis
 
 from batchery.batching.messages import Claimed, estimate_tokens
-from batchery.batching.queue import ClaimReply, RequestQueue
+from batchery.batching.calls import ClaimReply
+from batchery.batching.queue import RequestQueue
 from batchery.workers import metrics, tracing
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
 from batchery.workers.leases import Leases, report_redis_error
