@@ -381,6 +381,18 @@ class RequestQueue:
         """Every queue registered on this Redis, sorted (what `batchery queue stats` lists)."""
         return sorted(client.smembers(QUEUES))
 
+    def attach_output(self, request_id: str, token: str, output: Any) -> bool:
+        """Put ``output`` into the request's cancelled result, when the cancel found it
+        leased under ``token`` and the result has none yet (lua/attach.lua): a generation's
+        partial text. False: not this lease's to fill, filled already, or expired."""
+        raw = self.client.get(self.keys.result(request_id))
+        result = Result.from_json(raw) if raw else None
+        if result is None or result.status != CANCELLED or result.output is not None:
+            return False
+        filled = replace(result, output=output).to_json()
+        return bool(self.scripts.attach([self.keys.cancelled(request_id), self.keys.result(request_id)],
+                                        [token, raw, filled]))
+
 
 def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
     """The enqueue script's KEYS and ARGV (see lua/enqueue.lua)."""
@@ -416,13 +428,15 @@ def parse_clients(scheds: Sequence[str | None]) -> list[str]:
 def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
     """The cancel script's KEYS and ARGV (see lua/cancel.lua); ``clients``: who enqueued
     each id, read just before (a client not declared gets no push; it polls)."""
-    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl]
+    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl, k.cancelled_prefix]
     for request_id in ids:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history, *declared_keys(k, ids, clients)], args)
+                 k.settings, k.depth, k.stats, k.history, *(k.result(i) for i in ids),
+                 *(k.cancelled(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)],
+                args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:

@@ -14,7 +14,8 @@ from typing import Any
 import redis
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "reprice", "workers", "oldest")
+         "lookup", "reprice", "workers", "oldest",
+         "attach")
 
 
 @lru_cache(maxsize=None)
@@ -44,6 +45,7 @@ class Scripts:
     reprice: Any
     workers: Any
     oldest: Any
+    attach: Any
 
 
 def _same_errors(script: Any) -> Any:

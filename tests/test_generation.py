@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from batchery import AsyncClient, Client
+from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults
@@ -180,9 +181,30 @@ def test_cancel_stops_a_running_sequence_and_frees_its_room(worker, client) -> N
     assert first.kind == "text"
     assert handle.cancel()
     events = [first, *stream]
-    assert events[-1].result.status == "cancelled"
-    assert max(e.tokens for e in events[:-1]) < LONG
+    result = events[-1].result
+    assert result.status == "cancelled"
+    streamed = "".join(e.text for e in events[:-1])
+    tokens = max(e.tokens for e in events[:-1])
+    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled"}
+    assert 0 < tokens < LONG
     wait_for(lambda: not worker.loop.batch.rows, timeout=5, message="the sequence to leave")
+
+
+def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_name) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    handle_ids = ["first", "second"]
+    queue.enqueue([Request(i, {"prompt": "hi"}) for i in handle_ids])
+    [running] = queue.claim("w#1", 1, 1000, 0, 10).batch
+    queued = next(i for i in handle_ids if i != running.id)
+    assert queue.cancel(handle_ids) == [2 if i == running.id else 1 for i in handle_ids]
+    output = {"text": "so far", "tokens": 2, "finish_reason": "cancelled"}
+    assert not queue.attach_output(running.id, "w#2", output)  # another claim's token
+    assert queue.result(running.id).output is None
+    assert queue.attach_output(running.id, running.token, output)
+    assert queue.result(running.id).output == output and queue.result(running.id).status == "cancelled"
+    assert not queue.attach_output(running.id, running.token, {"text": "again"})  # once
+    assert not queue.attach_output(queued, "w#1", output)  # cancelled while queued: no lease
+    assert queue.result(queued).output is None
 
 
 def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:

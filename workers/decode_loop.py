@@ -349,10 +349,22 @@ class DecodeLoop:
         tracing.released([s.key.request for s in gone], "cancelled, or taken over after a stall")
         for s, owner in lost:
             s.finish_reason = "cancelled"
-            if s.params.stream and owner is None:
-                self._stream(s)
-                self.streams.end(s.key.request.id, "cancelled")
+            if owner is None:  # cancelled (or dead-lettered: then attach finds no cancel)
+                self._attach(s)
+                if s.params.stream:
+                    self._stream(s)
+                    self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
+
+    def _attach(self, s: Sequence) -> None:
+        """Give a cancelled sequence's result the text generated so far, before its stream
+        ends (the reader reads the result at the end)."""
+        s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
+        output = {"text": s.text, "tokens": len(s.generated), "finish_reason": "cancelled"}
+        try:
+            self.queue.attach_output(s.key.request.id, s.key.request.token, output)
+        except Exception as exc:  # the result stays the cancel's, without output
+            log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
 
     def _flush_streams(self) -> None:
         try:
