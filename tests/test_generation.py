@@ -301,6 +301,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_steps(redis_ur
         assert worker.loop.batch.steps > 0
 
 
+def test_a_prompt_more_urgent_than_every_running_row_is_prefilled_whole(redis_url, queue_name,
+                                                                        runner) -> None:
+    with generate_worker(redis_url, queue_name, runner, prefill_chunk_tokens=16) as worker, \
+            Client(redis_url, queue_name) as client:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
+                                 priority="batch")
+        assert next(running.stream(timeout=30)).kind == "text"
+        urgent = client.enqueue({"prompt": "word " * 400, "max_new_tokens": 4, "stream": True},
+                                priority="realtime")
+        assert urgent.result(timeout=30).output["tokens"] == 4
+        newcomer = stream_entries(client, urgent.id)
+        claimed = next(ms for ms, f in newcomer if f["e"] == "start")
+        first = next(ms for ms, f in newcomer if f["e"] in ("text", "end"))
+        decoded = [ms for ms, f in stream_entries(client, running.id)
+                   if f["e"] == "text" and claimed < ms < first]
+        assert len(decoded) <= 1  # one prefill, not 25 chunks with a decode step after each
+        assert client.get(running.id) is None and worker.loop.batch.steps > 0
+
+
 def test_a_realtime_arrival_preempts_a_batch_sequence_that_resumes_where_it_was(
         redis_url, queue_name, runner) -> None:
     with generate_worker(redis_url, queue_name, runner, max_batch_size=2) as worker, \
