@@ -168,6 +168,22 @@ def test_the_async_client_streams_too(worker, redis_url, queue_name) -> None:
     assert "".join(e.text for e in events[:-1]) == events[-1].result.output["text"]
 
 
+def test_the_async_client_gets_a_cancelled_generation_s_text(worker, redis_url, queue_name) -> None:
+    async def scenario() -> list[Any]:
+        async with AsyncClient(redis_url, queue_name) as ac:
+            handle = await ac.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+            events = []
+            async for event in handle.stream(timeout=30):
+                events.append(event)
+                if len(events) == 1:
+                    assert await handle.cancel()
+            return events
+    events = asyncio.run(scenario())
+    assert events[-1].result.status == "cancelled"
+    assert events[-1].result.output["text"] == "".join(e.text for e in events[:-1])
+    assert events[-1].result.output["finish_reason"] == "cancelled"
+
+
 def test_a_request_without_stream_yields_its_result_alone(worker, client) -> None:
     handle = client.enqueue({"prompt": "hi", "max_new_tokens": 4})
     events = list(handle.stream(timeout=30))
