@@ -70,13 +70,15 @@ def parse_clients(scheds: Sequence[str | None]) -> list[str]:
 def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
     """The cancel script's KEYS and ARGV (see lua/cancel.lua); ``clients``: who enqueued
     each id, read just before (a client not declared gets no push; it polls)."""
-    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl]
+    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl, k.cancelled_prefix]
     for request_id in ids:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history, *declared_keys(k, ids, clients)], args)
+                 k.settings, k.depth, k.stats, k.history, *(k.result(i) for i in ids),
+                 *(k.cancelled(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)],
+                args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:

@@ -121,6 +121,15 @@ class Keys:
         return self._key("call:" + call_id)
 
     @property
+    def cancelled_prefix(self) -> str:
+        """Prefix of the per-request STRING lease token a cancel found running (60 s TTL):
+        that worker may attach its partial output to the cancelled result (lua/attach.lua)."""
+        return self._key("cancelled:")
+
+    def cancelled(self, request_id: str) -> str:
+        return self.cancelled_prefix + request_id
+
+    @property
     def result_prefix(self) -> str:
         """Prefix of the per-request result keys (STRING JSON with a TTL)."""
         return self._key("result:")

@@ -16,7 +16,7 @@ from batchery.batching.calls import (ClaimReply, cancel_call, declared_keys, enq
                                      lookup_call, memory_full, new_call_id, parse_claim,
                                      parse_clients, parse_enqueue, parse_lookup)
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
-from batchery.batching.messages import Request, Result, stored_trace
+from batchery.batching.messages import CANCELLED, Request, Result, stored_trace
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import DEFAULTS, QueueSettings
 
@@ -373,3 +373,16 @@ class RequestQueue:
     def known_queues(client: Any) -> list[str]:
         """Every queue registered on this Redis, sorted (what `batchery queue stats` lists)."""
         return sorted(client.smembers(QUEUES))
+
+    def attach_output(self, request_id: str, token: str, output: Any) -> bool:
+        """Put ``output`` into the request's cancelled result, when the cancel found it
+        leased under ``token`` and the result has none yet (lua/attach.lua): a generation's
+        partial text. False: not this lease's to fill, filled already, or expired."""
+        raw = self.client.get(self.keys.result(request_id))
+        result = Result.from_json(raw) if raw else None
+        if result is None or result.status != CANCELLED or result.output is not None:
+            return False
+        filled = replace(result, output=output).to_json()
+        return bool(self.scripts.attach([self.keys.cancelled(request_id), self.keys.result(request_id)],
+                                        [token, raw, filled]))
+

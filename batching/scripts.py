@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "workers", "oldest")
+         "lookup", "workers", "oldest", "attach")
 
 
 @lru_cache(maxsize=None)
@@ -43,6 +43,7 @@ class Scripts:
     lookup: Any
     workers: Any
     oldest: Any
+    attach: Any
 
 
 def _same_errors(script: Any) -> Any:

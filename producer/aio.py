@@ -73,7 +73,11 @@ class AsyncHandle:
             elif timeout is not None and time.monotonic() - heard >= timeout:
                 raise ResultTimeout(f"nothing streamed for request {self.id!r} within "
                                     f"{timeout}s; it stays queued: wait again, or cancel it")
-        yield StreamEvent("result", result=await self.result(timeout))
+        result = await self.result(timeout)
+        if reader.ended and result.status == "cancelled" and result.output is None:
+            result = await self._client.queue.result(self.id) or result  # the text its worker attached
+            await self._client._forget_delivered([self.id])  # (delivered now: see replies.py)
+        yield StreamEvent("result", result=result)
 
 
 class AsyncClient:

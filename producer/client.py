@@ -135,7 +135,11 @@ class Handle:
             elif timeout is not None and time.monotonic() - heard >= timeout:
                 raise ResultTimeout(f"nothing streamed for request {self.id!r} within "
                                     f"{timeout}s; it stays queued: wait again, or cancel it")
-        yield StreamEvent("result", result=self.result(timeout))
+        result = self.result(timeout)
+        if reader.ended and result.status == "cancelled" and result.output is None:
+            result = self._client.queue.result(self.id) or result  # the text its worker attached
+            self._client._forget_delivered([self.id])  # (delivered now: see replies.py)
+        yield StreamEvent("result", result=result)
 
     def _finished(self) -> bool:
         """A result is in (a cancel, an expiry, a dead letter: results with no stream end)."""

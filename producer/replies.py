@@ -5,7 +5,8 @@ bulk and resolves the futures of the handles waiting on them. A result nobody wa
 for any more (its handle was dropped) is not kept: it stays readable under its key.
 The ids of results that reached a waiter are handed to ``on_delivered`` (the client
 deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
-stay for ``batchery queue dead list``.
+stay for ``batchery queue dead list``, nor cancelled ones (kept for result_ttl): the
+worker that was generating one attaches its text after the cancel (lua/attach.lua).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import redis
 
 from batchery import tracing
 from batchery.batching.async_queue import AsyncRequestQueue
-from batchery.batching.messages import DEAD, Result
+from batchery.batching.messages import CANCELLED, DEAD, Result
 from batchery.batching.queue import RequestQueue
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class ReplyListener:
 
     def delivered(self, results: list[Result]) -> None:
         """Tell the owner these results reached their waiters (it may delete them)."""
-        ids = [r.id for r in results if r.status != DEAD]
+        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]
         if ids and self._on_delivered is not None:
             try:
                 self._on_delivered(ids)
@@ -145,7 +146,7 @@ class AsyncReplyListener:
         return False
 
     async def delivered(self, results: list[Result]) -> None:
-        ids = [r.id for r in results if r.status != DEAD]
+        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]
         if ids and self._on_delivered is not None:
             try:
                 await self._on_delivered(ids)

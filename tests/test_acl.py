@@ -24,7 +24,8 @@ PRODUCER_ACL = (
     "~batchery:{*}:dead "
     "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
     "~batchery:{*}:history ~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake "
-    "~batchery:{*}:result:* ~batchery:{*}:reply:* ~batchery:{*}:settings ~batchery:{*}:call:*")
+    "~batchery:{*}:result:* ~batchery:{*}:reply:* ~batchery:{*}:settings ~batchery:{*}:call:* "
+    "~batchery:{*}:cancelled:*")
 WORKER_ACL = (
     "on >worker-secret resetchannels "
     "+ping +evalsha +script|load +time "

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from batchery import AsyncClient, Client
+from batchery.batching.messages import Request
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults
@@ -167,6 +168,22 @@ def test_the_async_client_streams_too(worker, redis_url, queue_name) -> None:
     assert "".join(e.text for e in events[:-1]) == events[-1].result.output["text"]
 
 
+def test_the_async_client_gets_a_cancelled_generation_s_text(worker, redis_url, queue_name) -> None:
+    async def scenario() -> list[Any]:
+        async with AsyncClient(redis_url, queue_name) as ac:
+            handle = await ac.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+            events = []
+            async for event in handle.stream(timeout=30):
+                events.append(event)
+                if len(events) == 1:
+                    assert await handle.cancel()
+            return events
+    events = asyncio.run(scenario())
+    assert events[-1].result.status == "cancelled"
+    assert events[-1].result.output["text"] == "".join(e.text for e in events[:-1])
+    assert events[-1].result.output["finish_reason"] == "cancelled"
+
+
 def test_a_request_without_stream_yields_its_result_alone(worker, client) -> None:
     handle = client.enqueue({"prompt": "hi", "max_new_tokens": 4})
     events = list(handle.stream(timeout=30))
@@ -180,9 +197,30 @@ def test_cancel_stops_a_running_sequence_and_frees_its_room(worker, client) -> N
     assert first.kind == "text"
     assert handle.cancel()
     events = [first, *stream]
-    assert events[-1].result.status == "cancelled"
-    assert max(e.tokens for e in events[:-1]) < LONG
+    result = events[-1].result
+    assert result.status == "cancelled"
+    streamed = "".join(e.text for e in events[:-1])
+    tokens = max(e.tokens for e in events[:-1])
+    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled"}
+    assert 0 < tokens < LONG
     wait_for(lambda: not worker.loop.batch.rows, timeout=5, message="the sequence to leave")
+
+
+def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_name) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    handle_ids = ["first", "second"]
+    queue.enqueue([Request(i, {"prompt": "hi"}) for i in handle_ids])
+    [running] = queue.claim("w#1", 1, 1000, 0, 10).batch
+    queued = next(i for i in handle_ids if i != running.id)
+    assert queue.cancel(handle_ids) == [2 if i == running.id else 1 for i in handle_ids]
+    output = {"text": "so far", "tokens": 2, "finish_reason": "cancelled"}
+    assert not queue.attach_output(running.id, "w#2", output)  # another claim's token
+    assert queue.result(running.id).output is None
+    assert queue.attach_output(running.id, running.token, output)
+    assert queue.result(running.id).output == output and queue.result(running.id).status == "cancelled"
+    assert not queue.attach_output(running.id, running.token, {"text": "again"})  # once
+    assert not queue.attach_output(queued, "w#1", output)  # cancelled while queued: no lease
+    assert queue.result(queued).output is None
 
 
 def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:
@@ -277,6 +315,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_steps(redis_ur
         # 400 tokens in chunks of 16: 25 chunks, a decode step of the running row after each
         assert len(decoded) >= 12 and decoded[-1] - decoded[0] >= 12
         assert worker.loop.batch.steps > 0
+
+
+def test_a_prompt_more_urgent_than_every_running_row_is_prefilled_whole(redis_url, queue_name,
+                                                                        runner) -> None:
+    with generate_worker(redis_url, queue_name, runner, prefill_chunk_tokens=16) as worker, \
+            Client(redis_url, queue_name) as client:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
+                                 priority="batch")
+        assert next(running.stream(timeout=30)).kind == "text"
+        urgent = client.enqueue({"prompt": "word " * 400, "max_new_tokens": 4, "stream": True},
+                                priority="realtime")
+        assert urgent.result(timeout=30).output["tokens"] == 4
+        newcomer = stream_entries(client, urgent.id)
+        claimed = next(ms for ms, f in newcomer if f["e"] == "start")
+        first = next(ms for ms, f in newcomer if f["e"] in ("text", "end"))
+        decoded = [ms for ms, f in stream_entries(client, running.id)
+                   if f["e"] == "text" and claimed < ms < first]
+        assert len(decoded) <= 1  # one prefill, not 25 chunks with a decode step after each
+        assert client.get(running.id) is None and worker.loop.batch.steps > 0
 
 
 def test_a_realtime_arrival_preempts_a_batch_sequence_that_resumes_where_it_was(

@@ -45,6 +45,9 @@ class DecodeLoop:
         self.prefilling: list[Prefill] = []  # admitted, context being prefilled; most urgent first
         self.waiting: list[Sequence] = []    # claimed or preempted, no room yet; most urgent first
         self.preempted = 0                   # sequences paused to make room for a more urgent one
+        # preempted rows still in the batch's cache: cutting it copies the whole cache (tens
+        # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
+        self._preempting: list[Sequence] = []
         self.streams = StreamWriter(queue_.client, queue_.keys)
         self._checked = time.monotonic()
         self._claim_backoff, self._claim_after = 0.1, 0.0
@@ -71,7 +74,11 @@ class DecodeLoop:
     # -- admission -------------------------------------------------------------------
     def _running(self) -> list[Sequence]:
         """Sequences holding room: decoding, or being prefilled."""
-        return self.batch.rows + [s for p in self.prefilling for s in p.seqs]
+        return self._running_rows() + [s for p in self.prefilling for s in p.seqs]
+
+    def _running_rows(self) -> list[Sequence]:
+        """Decoding rows, less those preempted this step (still in the cache until cut)."""
+        return [s for s in self.batch.rows if s not in self._preempting]
 
     def _room(self, held: list[Sequence]) -> tuple[int, int]:
         """Sequences and cache tokens still free beside ``held``."""
@@ -172,14 +179,14 @@ class DecodeLoop:
         nothing preempted) if they cannot make room. The preempted wait, leased, to be
         prefilled again from their prompt and what they generated."""
         chosen, got_slots, got_tokens = [], 0, 0
-        for victim in sorted(self.batch.rows, key=_rank, reverse=True):
+        for victim in sorted(self._running_rows(), key=_rank, reverse=True):
             if got_slots >= slots and got_tokens >= tokens or _rank(victim) <= _rank(s):
                 break
             chosen.append(victim)
             got_slots, got_tokens = got_slots + 1, got_tokens + victim.reserved
         if got_slots < slots or got_tokens < tokens:
             return None
-        self.batch.drop(chosen)
+        self._preempting += chosen  # their cache is cut after the newcomer's first token
         self.waiting += chosen
         self.waiting.sort(key=_rank)
         self.preempted += len(chosen)
@@ -190,16 +197,20 @@ class DecodeLoop:
     def _prefill(self) -> None:
         """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
         when no row decodes: there is nothing to stall); sequences whose context is all in
-        emit their first token and join the decoding rows."""
+        emit their first token and join the decoding rows. A prefill more urgent than
+        every decoding row is not chunked: the rows it would stall rank below it (as for
+        preemption), and a decode step between its chunks would delay its first token."""
         budget = self.options.prefill_chunk_tokens if self.batch.rows else 0
+        least = max((_rank(s) for s in self._running_rows()), default=None)
         spent = 0
         for p in list(self.prefilling):
-            if budget and spent >= budget:
+            whole = not budget or least is None or max(_rank(s) for s in p.seqs) < least
+            if not whole and spent >= budget:
                 return
             before = p.done
             try:
                 with tracing.prefill([s.key.request for s in p.seqs]):  # a span per chunk
-                    tokens = self.batch.advance(p, budget - spent if budget else 0)
+                    tokens = self.batch.advance(p, 0 if whole else budget - spent)
             except Exception as exc:  # a prefill that fails fails its newcomers (retried)
                 log.warning("prefill of %d request(s) failed: %s", len(p.seqs), exc)
                 self.prefilling.remove(p)
@@ -215,10 +226,16 @@ class DecodeLoop:
     def _joined(self, p: Prefill, tokens: list[int]) -> None:
         self._advance(p.seqs, tokens, joined=False)
         self._flush_streams()  # the first tokens go out before the cache is copied
+        self._cut_preempted()
         self.batch.join(p, tokens)
         ended = [s for s in p.seqs if s.finish_reason]
         if ended:  # done at their first token (max_new_tokens 1, EOS, a stop string)
             self.batch.drop(ended)
+
+    def _cut_preempted(self) -> None:
+        if self._preempting:
+            self.batch.drop(self._preempting)
+            self._preempting = []
 
     def _hand_back(self) -> None:
         """At SIGTERM: requests never started go back to the queue at their rank (the
@@ -234,6 +251,7 @@ class DecodeLoop:
 
     # -- decoding --------------------------------------------------------------------
     def _step(self) -> None:
+        self._cut_preempted()
         rows = list(self.batch.rows)
         started = time.perf_counter()
         try:
@@ -348,10 +366,22 @@ class DecodeLoop:
         tracing.released([s.key.request for s in gone], "cancelled, or taken over after a stall")
         for s, owner in lost:
             s.finish_reason = "cancelled"
-            if s.params.stream and owner is None:
-                self._stream(s)
-                self.streams.end(s.key.request.id, "cancelled")
+            if owner is None:  # cancelled (or dead-lettered: then attach finds no cancel)
+                self._attach(s)
+                if s.params.stream:
+                    self._stream(s)
+                    self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
+
+    def _attach(self, s: Sequence) -> None:
+        """Give a cancelled sequence's result the text generated so far, before its stream
+        ends (the reader reads the result at the end)."""
+        s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
+        output = {"text": s.text, "tokens": len(s.generated), "finish_reason": "cancelled"}
+        try:
+            self.queue.attach_output(s.key.request.id, s.key.request.token, output)
+        except Exception as exc:  # the result stays the cancel's, without output
+            log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
 
     def _flush_streams(self) -> None:
         try:

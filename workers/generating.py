@@ -7,9 +7,11 @@ each sequence reserves its prompt plus its ``max_new_tokens`` of KV cache, and a
 room that is free, by the same claim script (priority with aging) as batch workers, so
 a realtime arrival is prefilled and joins at the next step. A long prompt is prefilled a
 chunk at a time (``prefill_chunk_tokens`` per step), between the running sequences'
-decode steps. When the worker is full and the queue's head is more urgent than a running
-sequence, the least urgent running ones are preempted: their cache is freed and they
-wait, still leased to this worker, to be prefilled again from their prompt and the
+decode steps, unless it is more urgent than every decoding row: then it is prefilled
+whole (a decode step between its chunks would delay its first token by a step each).
+When the worker is full and the queue's head is more urgent than a running
+sequence, the least urgent running ones are preempted: their cache is freed (after the
+newcomer's first token: the cut copies the cache) and they wait, still leased to this worker, to be prefilled again from their prompt and the
 tokens they had generated (recompute, as vLLM does), so their streams go on where they
 were and nothing they generated is lost. A sequence that finishes (EOS, a stop string,
 max_new_tokens), is cancelled or passes its deadline leaves at once; its result is

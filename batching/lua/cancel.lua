@@ -2,27 +2,40 @@
 -- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
 -- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
 -- KEYS[11] history
--- KEYS[12..] the result key of each id, then the reply list of each client among them
+-- KEYS[12..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
+--   then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
--- ARGV[4..] pairs: id, the cancelled result JSON
+-- ARGV[4] cancelled-lease key prefix
+-- ARGV[5..] pairs: id, the cancelled result JSON
 -- Returns {c1..cN}: 1 cancelled while queued; 2 cancelled while running (the worker's
 --   result will be discarded); 3 cancelled already (its result says so: an earlier
 --   cancel, or this very call retried after its reply was lost); 0 not cancellable
 --   (finished otherwise, dead or unknown).
+-- A running request's lease token is kept under its cancelled-lease key for
+-- CANCELLED_LEASE_S: the one worker that held the lease may then attach the output it
+-- had generated to this cancelled result, once (lua/attach.lua: generation's partial
+-- text). The result committed here is the request's one result either way.
+local CANCELLED_LEASE_S = 60
 local K = named_keys({'pending', 'delayed', 'leased', 'owner', 'requests', 'sched',
                       'attempts', 'settings', 'depth', 'stats', 'history'})
-local result_prefix, reply_prefix = ARGV[1], ARGV[2]
+local result_prefix, reply_prefix, cancelled_prefix = ARGV[1], ARGV[2], ARGV[4]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local flags, counts, gone = {}, {}, {}
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   local id = ARGV[i]
   local flag = 0
   local raw = rcall('HGET', K.sched, id)
   if raw then
     if rcall('ZREM', K.pending, id) == 1 or rcall('ZREM', K.delayed, id) == 1 then
       flag = 1
-    elseif rcall('HEXISTS', K.owner, id) == 1 then
-      flag = 2
+    else
+      local token = rcall('HGET', K.owner, id)
+      if token then
+        flag = 2
+        local key = cancelled_prefix .. id
+        if not DECLARED[key] then error('batchery: cancelled-lease key not declared: ' .. key) end
+        rcall('SET', key, token, 'EX', CANCELLED_LEASE_S)
+      end
     end
   else
     local ok, result = pcall(cjson.decode, rcall('GET', result_key(result_prefix, id)) or 'null')
