@@ -214,7 +214,7 @@ class Claimed:
     expire_ms: int       # 0: no deadline
     priority: str        # its class, for metrics
     attempt: int         # this run's number, from 1
-    token: str           # the lease token this worker commits with
+    lease_token: str     # the lease this worker holds the request under: it commits with it
     invalid: str | None = None  # why the stored request cannot run (not written by a client)
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
     client: str = ""     # the client that enqueued it, whose reply list gets its result
@@ -232,5 +232,5 @@ class Claimed:
         body = body if isinstance(body, dict) else {}
         return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
                    enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
-                   attempt=int(failures or 0) + 1, token=token, invalid=invalid, rank=int(rank),
+                   attempt=int(failures or 0) + 1, lease_token=token, invalid=invalid, rank=int(rank),
                    client=client, trace=body.get("trace"))

@@ -151,7 +151,7 @@ def phases(url: str, n: int) -> dict[str, float]:
     def complete_all(claimed: list[Any]) -> None:
         for lo in range(0, n, 1024):
             part = claimed[lo:lo + 1024]
-            queue.complete([(c.id, c.token, Result(id=c.id, status="ok", attempts=1).to_json())
+            queue.complete([(c.id, c.lease_token, Result(id=c.id, status="ok", attempts=1).to_json())
                             for c in part], {"requests": len(part)}, [c.client for c in part])
 
     def deliver() -> None:

@@ -216,9 +216,9 @@ def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_nam
     output = {"text": "so far", "tokens": 2, "finish_reason": "cancelled"}
     assert not queue.attach_output(running.id, "w#2", output)  # another claim's token
     assert queue.result(running.id).output is None
-    assert queue.attach_output(running.id, running.token, output)
+    assert queue.attach_output(running.id, running.lease_token, output)
     assert queue.result(running.id).output == output and queue.result(running.id).status == "cancelled"
-    assert not queue.attach_output(running.id, running.token, {"text": "again"})  # once
+    assert not queue.attach_output(running.id, running.lease_token, {"text": "again"})  # once
     assert not queue.attach_output(queued, "w#1", output)  # cancelled while queued: no lease
     assert queue.result(queued).output is None
 

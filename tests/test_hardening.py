@@ -24,7 +24,7 @@ def queue(rconn: redis.Redis, queue_name: str) -> RequestQueue:
 
 
 def fail_all(queue: RequestQueue, claimed: list) -> list[int]:
-    return queue.fail([(r.id, r.token, Result(r.id, "dead", error={
+    return queue.fail([(r.id, r.lease_token, Result(r.id, "dead", error={
         "type": "RuntimeError", "message": "boom"}).to_json()) for r in claimed])
 
 
@@ -142,7 +142,7 @@ def test_a_retried_claim_returns_the_batch_its_lost_reply_held(
     assert [(r.id, r.input, r.attempt) for r in reply.batch] == [("r0", 0, 1), ("r1", 1, 1), ("r2", 2, 1)]
     assert queue.client.hgetall(queue.keys.owner) == {"r0": "w#1", "r1": "w#1", "r2": "w#1"}
     # the batch commits; the same token later leases nothing it no longer holds
-    assert queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in reply.batch],
+    assert queue.complete([(r.id, r.lease_token, Result(r.id, "ok", 1).to_json()) for r in reply.batch],
                           {}) == [True] * 3
     assert through_proxy.claim("w#1", 10, 10_000, 0, 10).batch == []
 
@@ -156,7 +156,7 @@ def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
     assert proxy.faults["replies dropped on purpose"] == 1
     assert queue.result("q").status == "cancelled" and queue.stats()["pending"] == 1
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
-    queue.complete([(r.id, r.token, Result(r.id, "ok", 1).to_json()) for r in claimed], {})
+    queue.complete([(r.id, r.lease_token, Result(r.id, "ok", 1).to_json()) for r in claimed], {})
     assert queue.cancel(["done", "never-enqueued"]) == [0, 0]
 
 
@@ -189,11 +189,11 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     assert queue.enqueue([Request(id="a", input=0)], "c1") == [False]
     assert queue.cancel(["e"]) == [1] and queue.cancel(["e"]) == [3]
     a, b, c, d = queue.claim("w#1", 10, 10_000, 0, 10).batch
-    assert queue.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())], {"requests": 1},
+    assert queue.complete([(a.id, a.lease_token, Result(a.id, "ok", 1).to_json())], {"requests": 1},
                           [a.client]) == [True]
     assert fail_all(queue, [b]) == [2]
-    assert queue.release([(c.id, c.token)]) == 1
-    assert queue.renew("w", [(d.id, d.token)]) == []
+    assert queue.release([(c.id, c.lease_token)]) == 1
+    assert queue.renew("w", [(d.id, d.lease_token)]) == []
     assert queue.lookup(["a", "b", "c"]) == [queue.result("a"), queue.result("b"), True]
     assert queue.revive(everything=True) == 1 and queue.purge(["x"], everything=True) == 0
     wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
@@ -226,7 +226,7 @@ def test_a_retried_complete_reports_the_commit_once(queue: RequestQueue,
     queue.enqueue([Request(id="a", input=1)], "c")
     (a,) = queue.claim("w#1", 10, 10_000, 0, 10).batch
     lose_next_reply(proxy, through_proxy, "complete")
-    assert through_proxy.complete([(a.id, a.token, Result(a.id, "ok", 1).to_json())],
+    assert through_proxy.complete([(a.id, a.lease_token, Result(a.id, "ok", 1).to_json())],
                                   {"requests": 1}) == [True]
     assert proxy.faults["replies dropped on purpose"] == 1
     assert queue.stats()["totals"]["requests"] == 1
@@ -246,7 +246,7 @@ def test_a_retried_enqueue_reports_its_ids_as_accepted(queue: RequestQueue, redi
         assert proxy.faults["replies dropped on purpose"] == 2
         batch = queue.claim("w#1", 10, 10_000, 0, 10).batch
         assert sorted(r.id for r in batch) == sorted(["a", "b", *(h.id for h in handles)])
-        queue.complete([(r.id, r.token, Result(r.id, "ok", r.input).to_json()) for r in batch], {},
+        queue.complete([(r.id, r.lease_token, Result(r.id, "ok", r.input).to_json()) for r in batch], {},
                        [r.client for r in batch])
         assert [h.result(timeout=10).output for h in handles] == [3, 4]
 

@@ -26,7 +26,7 @@ def requests(*inputs: object, priority: str = "normal", **fields: object) -> lis
 
 
 def ok(queue: RequestQueue, claimed: list, output: object = "out") -> list[bool]:
-    return queue.complete([(r.id, r.token, Result(r.id, "ok", output).to_json()) for r in claimed],
+    return queue.complete([(r.id, r.lease_token, Result(r.id, "ok", output).to_json()) for r in claimed],
                           {"requests": len(claimed)})
 
 
@@ -109,7 +109,7 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
         previous = expiries()
         wait_for(lambda: server_ms(queue) >= min(previous) - 500, 10, interval=0.01)
         renewed_at = server_ms(queue)
-        assert queue.renew("w", [(r.id, r.token) for r in claimed]) == []
+        assert queue.renew("w", [(r.id, r.lease_token) for r in claimed]) == []
         assert all(e >= renewed_at + 1000 > p for e, p in zip(expiries(), previous))
     assert server_ms(queue) > max(first)  # without the renewals these leases had expired
     assert queue.reap() == Reaped()
@@ -121,30 +121,30 @@ def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) 
     queue.enqueue(requests("bad"), "c")
     first = queue.claim("w#1", 10, 10_000, 0, 10).batch[0]
     dead_json = Result("r0", "dead", error={"type": "E", "message": "boom"}, attempts=1).to_json()
-    assert queue.fail([(first.id, first.token, dead_json)]) == [1]
+    assert queue.fail([(first.id, first.lease_token, dead_json)]) == [1]
     waiting = queue.claim("w#2", 10, 10_000, 0, 10)
     assert not waiting.batch and 0 < waiting.wait_ms <= 500  # backoff before the retry
     time.sleep(waiting.wait_ms / 1000 + 0.05)
     second = queue.claim("w#3", 10, 10_000, 0, 10).batch[0]
     assert second.attempt == 2
-    assert queue.fail([(second.id, second.token, dead_json)]) == [2]
+    assert queue.fail([(second.id, second.lease_token, dead_json)]) == [2]
     assert queue.result("r0").status == "dead"
     assert [r.id for r in queue.dead()] == ["r0"] and queue.stats()["dead"] == 1
     assert queue.revive(["r0"]) == 1
     assert queue.result("r0") is None and queue.stats()["pending"] == 1
     again = queue.claim("w#4", 10, 10_000, 0, 10).batch[0]
     assert again.attempt == 1
-    assert queue.fail([(again.id, again.token, dead_json)]) == [1]
+    assert queue.fail([(again.id, again.lease_token, dead_json)]) == [1]
     time.sleep(0.6)
     last = queue.claim("w#5", 10, 10_000, 0, 10).batch[0]
-    assert queue.fail([(last.id, last.token, dead_json)]) == [2]
+    assert queue.fail([(last.id, last.lease_token, dead_json)]) == [2]
     assert queue.purge(everything=True) == 1
     assert queue.stats()["dead"] == 0 and not queue.client.hexists(queue.keys.requests, "r0")
 
 
 def failed(queue: RequestQueue, claimed: list, message: str = "boom") -> list[int]:
     """Fail each claimed request with a RuntimeError(message), as a worker does."""
-    return queue.fail([(r.id, r.token, Result(r.id, "dead", error={
+    return queue.fail([(r.id, r.lease_token, Result(r.id, "dead", error={
         "type": "RuntimeError", "message": message}, attempts=r.attempt).to_json()) for r in claimed])
 
 
@@ -230,7 +230,7 @@ def test_cancel_queued_and_running(queue: RequestQueue) -> None:
 def test_release_returns_claims_without_counting_an_attempt(queue: RequestQueue) -> None:
     queue.enqueue(requests("a", "b"), "c")
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
-    assert queue.release([(r.id, r.token) for r in claimed]) == 2
+    assert queue.release([(r.id, r.lease_token) for r in claimed]) == 2
     again = queue.claim("w#2", 10, 10_000, 0, 10).batch
     assert [r.attempt for r in again] == [1, 1]
 

@@ -66,7 +66,7 @@ class Claimer(threading.Thread):
             head = self.queue.head_rank()
             if head is None or head >= min(r.rank for r in batch.requests):
                 return False
-            self.queue.release([(r.id, r.token) for r in batch.requests])
+            self.queue.release([(r.id, r.lease_token) for r in batch.requests])
         except redis.RedisError:
             return False  # cannot tell, or cannot give it back: run it
         self.leases.drop(r.id for r in batch.requests)

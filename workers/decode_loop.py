@@ -242,7 +242,7 @@ class DecodeLoop:
         preempted ones are finished with the rest)."""
         fresh = [s for s in self.waiting if not s.key.started]
         if fresh:
-            leases = [(s.key.request.id, s.key.request.token) for s in fresh]
+            leases = [(s.key.request.id, s.key.request.lease_token) for s in fresh]
             _retrying(lambda: self.queue.release(leases))
             self.leases.drop(i for i, _ in leases)
             log.info("returned %d claimed request(s) to the queue; finishing %d started",
@@ -352,7 +352,7 @@ class DecodeLoop:
         except Exception as exc:  # cannot tell now: the next check will
             log.debug("lease check failed: %s", exc)
             return
-        lost = [(s, owner) for s, owner in zip(held, owners) if owner != s.key.request.token]
+        lost = [(s, owner) for s, owner in zip(held, owners) if owner != s.key.request.lease_token]
         if not lost:
             return
         gone = [s for s, _ in lost]
@@ -379,7 +379,7 @@ class DecodeLoop:
         s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
         output = {"text": s.text, "tokens": len(s.generated), "finish_reason": "cancelled"}
         try:
-            self.queue.attach_output(s.key.request.id, s.key.request.token, output)
+            self.queue.attach_output(s.key.request.id, s.key.request.lease_token, output)
         except Exception as exc:  # the result stays the cancel's, without output
             log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
 

@@ -26,7 +26,7 @@ class Leases:
 
     def add(self, requests: Iterable[Claimed]) -> None:
         with self._lock:
-            self._held.update((r.id, r.token) for r in requests)
+            self._held.update((r.id, r.lease_token) for r in requests)
             metrics.INFLIGHT.set(len(self._held))
 
     def drop(self, ids: Iterable[str]) -> None:

@@ -88,7 +88,7 @@ class Worker:
                 claimer.join()
             leftovers = [r for b in claimer.leftovers() for r in b.requests]
             if leftovers:
-                _retrying(lambda: queue_.release([(r.id, r.token) for r in leftovers]))
+                _retrying(lambda: queue_.release([(r.id, r.lease_token) for r in leftovers]))
                 leases.drop(r.id for r in leftovers)
                 tracing.released(leftovers, "the worker stopped before running it")
                 log.info("returned %d prefetched request(s) to the queue", len(leftovers))

@@ -68,7 +68,7 @@ class ResultWriter(threading.Thread):
                   "reason", len(ids), type(error).__name__, error)
         reason = {"type": "RedisError",
                   "message": f"Redis refused to store the result ({type(error).__name__}: {error})"}
-        items = [(o.request.id, o.request.token,
+        items = [(o.request.id, o.request.lease_token,
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
             flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
@@ -79,7 +79,7 @@ class ResultWriter(threading.Thread):
             metrics.redis_error("fail").inc()
             log.error("failing them was refused too (%s); releasing them to the queue", exc)
             try:
-                self.queue.release([(o.request.id, o.request.token) for o in executed.outcomes])
+                self.queue.release([(o.request.id, o.request.lease_token) for o in executed.outcomes])
             except redis.RedisError as again:  # their leases lapse: the reaper takes them back
                 metrics.redis_error("release").inc()
                 log.error("releasing them failed too (%s); their leases will lapse", again)
@@ -95,9 +95,9 @@ class ResultWriter(threading.Thread):
                   "padded_tokens": sum(run.padded for run in executed.runs),
                   **Counter(status for status, _ in encoded)}
         committed = self.queue.complete(
-            [(o.request.id, o.request.token, payload) for o, (_, payload) in zip(final, encoded)],
+            [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
             totals, [o.request.client for o in final])
-        flags = self.queue.fail([(o.request.id, o.request.token,
+        flags = self.queue.fail([(o.request.id, o.request.lease_token,
                                   self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
                                 [o.request.client for o in failed])
         ended = tracing.clock()

@@ -30,7 +30,7 @@ class _Open:
     """A claimed request's process span, until its attempt is committed here."""
 
     span: Any
-    token: str          # the lease token of this attempt
+    lease_token: str    # the lease of this attempt
     queue: str
     enqueued_ns: int    # enqueue time on this worker's clock
     claimed_ns: int
@@ -79,7 +79,7 @@ def claimed(queue: str, worker: str, reply: Any) -> None:
                         "batchery.queued_ms": reply.now_ms - r.enqueued_ms})
         if not span.is_recording():
             continue
-        entry = _Open(span, r.token, queue, enqueued, now)
+        entry = _Open(span, r.lease_token, queue, enqueued, now)
         if first:
             wait = entry.child("queue wait", enqueued, attributes={
                 "batchery.priority": r.priority, "batchery.class_delay_ms": r.rank - r.enqueued_ms})
@@ -147,7 +147,7 @@ def reaped(queue: Any, requeued: Sequence[str], dead: Sequence[str]) -> None:
 
 def _traced(requests: Sequence[Any]) -> list[tuple[Any, _Open]]:
     found = [(r, _open.get(r.id)) for r in requests] if _open else []
-    return [(r, e) for r, e in found if e is not None and e.token == r.token]
+    return [(r, e) for r, e in found if e is not None and e.lease_token == r.lease_token]
 
 
 @contextlib.contextmanager
@@ -242,7 +242,7 @@ def committed(began: int, ended: int, final: Sequence[Any], committed: Sequence[
     for outcome, flag in [*((o, 3 if ok else 0) for o, ok in zip(final, committed)),
                           *zip(failed, flags)]:
         entry = _open.get(outcome.request.id)
-        if entry is None or entry.token != outcome.request.token:
+        if entry is None or entry.lease_token != outcome.request.lease_token:
             continue
         del _open[outcome.request.id]
         _finish(entry, outcome, flag, began, now)
