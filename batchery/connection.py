@@ -24,6 +24,10 @@ RETRIES = 10          # with the backoff below: about 10 s of retrying before an
 BACKOFF_CAP_S = 2.0
 BACKOFF_BASE_S = 0.05
 SOCKET_TIMEOUT_S = 30.0  # longer than any blocking read we issue
+# Connections one client may open: one per thread (or task) in a Redis call at once.
+# redis-py 8 caps a pool at 100 by default and then raises MaxConnectionsError: a Client
+# waited on by more than 100 threads failed when their result polls met (test_client).
+MAX_CONNECTIONS = 10_000  # Redis' own default maxclients
 # Bytes that are not UTF-8 (written by something other than batchery) read as U+FFFD
 # instead of failing the whole reply they are part of, e.g. a claim of 64 requests.
 ENCODING_ERRORS = "replace"
@@ -67,7 +71,7 @@ class RedisSettings:
                                          socket_timeout=SOCKET_TIMEOUT_S)
         return redis.Redis.from_url(url, decode_responses=True, encoding_errors=ENCODING_ERRORS,
                                     retry=_retry(), socket_timeout=SOCKET_TIMEOUT_S,
-                                    health_check_interval=15)
+                                    health_check_interval=15, max_connections=MAX_CONNECTIONS)
 
     def async_client(self) -> Any:
         url = self.resolved_url()
@@ -78,7 +82,8 @@ class RedisSettings:
                                          socket_timeout=SOCKET_TIMEOUT_S)
         return redis.asyncio.Redis.from_url(url, decode_responses=True, retry=_async_retry(),
                                             encoding_errors=ENCODING_ERRORS,
-                                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15)
+                                            socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15,
+                                            max_connections=MAX_CONNECTIONS)
 
     def binary_client(self) -> redis.Redis:
         """A client with bytes replies, as RQ needs (offline jobs); RQ has no Cluster support."""
@@ -86,7 +91,8 @@ class RedisSettings:
             raise ConfigError("offline jobs run on RQ, which needs a single Redis, not a Cluster; "
                               "give the jobs commands a redis:// URL without --cluster")
         return redis.Redis.from_url(self.resolved_url(), retry=_retry(),
-                                    socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15)
+                                    socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15,
+                                    max_connections=MAX_CONNECTIONS)
 
     def describe(self) -> str:
         return "embedded" if self.url == EMBEDDED else redact(self.url)
@@ -96,7 +102,8 @@ def text_client(client: redis.Redis) -> redis.Redis:
     """A client with str replies to the same server (and options) as ``client``."""
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "decode_responses": True}
-    return redis.Redis.from_pool(redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+    return redis.Redis.from_pool(redis.ConnectionPool(connection_class=pool.connection_class,
+                                                      max_connections=pool.max_connections, **kwargs))
 
 
 def retryable(error: Exception) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,24 @@ def test_tls_url(tmp_path: Path, queue_name: str) -> None:
         roundtrip(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={certs['ca.crt']}", queue_name)
     finally:
         server.close()
+
+
+def test_one_client_serves_more_than_a_hundred_threads_at_once(redis_url: str,
+                                                               queue_name: str) -> None:
+    """redis-py 8 caps a connection pool at 100 unless told otherwise; a Client shared by
+    more threads in a Redis call at once (waiters polling their results) must not fail."""
+    with Client(redis_url, queue_name) as client:
+        errors: list[BaseException] = []
+
+        def hold_a_connection() -> None:  # a blocking read holds its connection for 1 s
+            try:
+                client.queue.client.blpop([f"test:{queue_name}:nothing"], timeout=1)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hold_a_connection) for _ in range(150)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
