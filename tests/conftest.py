@@ -71,7 +71,7 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, retry=None, socket_connect_timeout=1)
         try:
-            wait_for(lambda: _pings(client), 15, message=f"redis-server on port {self.port}")
+            wait_for(lambda: pings(client), 15, message=f"redis-server on port {self.port}")
         except AssertionError:
             self.stop(signal.SIGKILL)
             raise
@@ -109,7 +109,8 @@ def tls_missing(binary: str) -> str | None:
     return None
 
 
-def _pings(client: redis.Redis) -> bool:
+def pings(client: redis.Redis) -> bool:
+    """True when a server answers on ``client`` (one asking for credentials answers too)."""
     try:
         return bool(client.ping())
     except (redis.AuthenticationError, redis.ResponseError):

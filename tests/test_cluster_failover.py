@@ -61,7 +61,6 @@ def test_master_killed_mid_run_replica_takes_over(cluster: list[RedisServer], tm
     master_port, replica_port = node_of_slot(probe, slot), replica_of(probe, slot)
     probe.close()
     master = next(n for n in cluster if n.port == master_port)
-    replica = next(n for n in cluster if n.port == replica_port)
     survivor = next(n for n in cluster if n.port not in (master_port, replica_port))
     url = f"redis://127.0.0.1:{survivor.port}/0"  # the startup node outlives the failover
     lease = run_cli("queue", "config", queue, "--cluster", "--lease-seconds", "2", redis_url=url)

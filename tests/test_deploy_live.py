@@ -13,10 +13,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from batchery import Client
-from tests.conftest import (ROOT, RedisServer, cli_env, free_port, scrape, start_worker,
+from tests.conftest import (ROOT, RedisServer, cli_env, free_port, pings, scrape, start_worker,
                             stop_process, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -46,8 +47,7 @@ def test_the_procfile_starts_redis_a_worker_and_a_jobs_worker(tmp_path: Path) ->
             wait_for(lambda: client.queue.stats()["workers"] == 1, 180, message="the worker")
             result = client.enqueue("the Procfile runs").result(timeout=60)
             assert result.ok and len(result.output) == 384
-            import redis as redis_py
-            rq_workers = redis_py.Redis.from_url(url).smembers("rq:workers")
+            rq_workers = redis.Redis.from_url(url).smembers("rq:workers")
             assert rq_workers, "the jobs process runs an RQ worker"
         assert (tmp_path / ".batchery" / "redis").is_dir()  # Redis keeps its AOF there
         assert scrape(metrics_port)  # the worker serves /metrics where the Procfile says
@@ -66,14 +66,8 @@ def test_the_procfile_starts_redis_a_worker_and_a_jobs_worker(tmp_path: Path) ->
 
 
 def _answers(url: str) -> bool:
-    import redis as redis_py
-    client = redis_py.Redis.from_url(url, socket_connect_timeout=1)
-    try:
-        return bool(client.ping())
-    except redis_py.RedisError:
-        return False
-    finally:
-        client.close()
+    with redis.Redis.from_url(url, socket_connect_timeout=1, retry=None) as client:
+        return pings(client)
 
 
 KEDA_QUERY = re.compile(r"^sum\(max by \((\w+)\) \((\w+)\{(\w+)=\"([^\"]+)\"\}\)\)$")
