@@ -15,6 +15,7 @@ request enqueued into an idle queue: IDLE_BLOCK_S + a head read + a claim.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from batchery.batching.calls import ClaimReply
@@ -25,6 +26,9 @@ from batchery.batching.queue import RequestQueue
 # another: the ceiling's slack, so a claim still fills a batch from its own shard.
 SHARD_SLACK_MS = 50
 IDLE_BLOCK_S = 0.02  # an idle worker's block on one shard's wake list (Cluster)
+# A worker on a queue of one shard reads the shard count this often (a claim on more
+# reads it with every head read): a new count is served within a second.
+LAYOUT_CHECK_S = 1.0
 
 
 class ShardClaims:
@@ -35,8 +39,12 @@ class ShardClaims:
     first: RequestQueue
     shards: tuple[RequestQueue, ...]
     _turn: int | None = None
+    _layout_checked = 0.0
 
     def _layout(self, n: int) -> None:
+        raise NotImplementedError
+
+    def settings(self) -> Any:
         raise NotImplementedError
 
     def _heads(self, shards: Sequence[RequestQueue]) -> tuple[list[tuple[Any, Any]], int]:
@@ -58,6 +66,14 @@ class ShardClaims:
         """RequestQueue.claim on the shard with the most urgent head, under the ceiling
         the other heads set. ``counts`` (a pricing round) go back to their ids' shard."""
         shards = self.shards
+        if len(shards) == 1:  # one shard: its claim alone, and now and then a look at the count
+            if time.monotonic() >= self._layout_checked + LAYOUT_CHECK_S:
+                self._layout_checked = time.monotonic()
+                self.settings()
+            if len(self.shards) == 1:
+                return self.first.claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
+                                        lookahead, price_estimates, counts, ceiling)
+            shards = self.shards
         heads, stored = self._heads(shards)
         if stored != len(shards):  # the shard count changed (on an empty queue)
             self._layout(stored)

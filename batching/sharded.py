@@ -30,7 +30,7 @@ from batchery.errors import ConfigError, ShardsChanged
 # Calls that go to shard 0 when the queue has one shard: bound to it, so they cost nothing.
 DIRECT = ("cancel", "clients", "result", "results", "lookup", "forget_results", "complete",
           "fail", "release", "holders", "traces", "inputs", "attach_output", "keys_for",
-          "is_known", "claim", "head_rank", "renew", "reap", "depth", "oldest", "revive",
+          "is_known", "head_rank", "renew", "reap", "depth", "oldest", "revive",
           "purge", "active_ids")
 RELAYOUT_TRIES = 3  # enqueue re-routes this often after a shard count change, then gives up
 
