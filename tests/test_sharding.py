@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +22,32 @@ from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, 
 from tests.test_cluster import local_cluster, node_of_slot
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    with local_cluster(3, 0) as nodes:
+        yield nodes
+
+
+@dataclass
+class Target:
+    """Where a test runs: a single Redis, or a 3-node Cluster (``--cluster`` everywhere)."""
+
+    url: str
+    cluster: bool
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return ("--cluster",) if self.cluster else ()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def target(request: pytest.FixtureRequest, redis_url: str) -> Target:
+    if request.param == "redis":
+        return Target(redis_url, False)
+    nodes = request.getfixturevalue("cluster")
+    return Target(f"redis://127.0.0.1:{nodes[0].port}/0", True)
 
 
 def configure(url: str, queue: str, *args: str) -> dict:
@@ -141,35 +168,37 @@ def test_shard_count_changes_only_on_an_empty_queue(redis_url: str, queue_name: 
         assert bad.returncode != 0 and "shards must be a number from 1 to 256" in bad.stderr
 
 
-def test_stale_producer_reroutes(redis_url: str, queue_name: str, tmp_path: Path) -> None:
-    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+def test_stale_producer_reroutes(target: Target, queue_name: str, tmp_path: Path) -> None:
+    """A client that enqueued under 1 shard, the queue reconfigured to 3 while empty: the
+    same client's next requests are refused under 1, routed again, and served."""
+    worker = start_worker(target.url, queue_name, *target.flags, "--runner", "tests.runners:echo",
                           log=tmp_path / "worker.log")
     try:
-        with Client(redis_url, queue_name) as client:
+        with Client(target.url, queue_name, cluster=target.cluster) as client:
             assert client.queue.n == 1
             assert client.enqueue("before").result(30).output["echo"] == "before"
-            configure(redis_url, queue_name, "--shards", "3")
+            configure(target.url, queue_name, "--shards", "3", *target.flags)
             assert client.queue.n == 1  # it has not looked since
             handles = client.enqueue_many({"input": f"after {i}"} for i in range(30))
             assert client.queue.n == 3  # refused under 1 shard, routed again under 3
             assert [h.result(30).output["echo"] for h in handles] == [f"after {i}" for i in range(30)]
-        queue = open_queue(redis.Redis.from_url(redis_url, decode_responses=True), queue_name)
-        assert all(q.stats(workers=False)["totals"].get("enqueued", 0) > 0 for q in queue.shards)
+            totals = [q.stats(workers=False)["totals"].get("enqueued", 0) for q in client.queue.shards]
+        assert all(n > 0 for n in totals) and sum(totals) == 31, totals
     finally:
         stop_process(worker)
     assert "Traceback" not in (tmp_path / "worker.log").read_text()
 
 
-def test_no_request_overtaken_across_shards(redis_url: str, queue_name: str, tmp_path: Path) -> None:
+def test_no_request_overtaken_across_shards(target: Target, queue_name: str, tmp_path: Path) -> None:
     """Waves ranked a second apart (integer priorities), each spread over 3 shards: one
     worker, batches of 8, runs every wave before the next, although a batch of one shard
     would take the next wave's requests of that shard without the rank ceiling."""
-    configure(redis_url, queue_name, "--shards", "3")
+    configure(target.url, queue_name, "--shards", "3", *target.flags)
     waves = 4
-    with Client(redis_url, queue_name) as client:
+    with Client(target.url, queue_name, cluster=target.cluster) as client:
         handles = client.enqueue_many({"input": f"w{wave}-{i}", "priority": wave + 1}
                                       for wave in range(waves) for i in range(12))
-        worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:timed",
+        worker = start_worker(target.url, queue_name, *target.flags, "--runner", "tests.runners:timed",
                               "--max-batch-size", "8", "--max-wait-ms", "0",
                               log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.02")
         try:
@@ -183,12 +212,6 @@ def test_no_request_overtaken_across_shards(redis_url: str, queue_name: str, tmp
     for wave in range(waves - 1):  # 1000 ms of rank apart, far above SHARD_SLACK_MS
         assert max(started[wave]) <= min(started[wave + 1]), wave
     assert SHARD_SLACK_MS < 1000
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[list[RedisServer]]:
-    with local_cluster(3, 0) as nodes:
-        yield nodes
 
 
 def queue_on_every_node(nodes: list[RedisServer]) -> str:
