@@ -252,9 +252,9 @@ class ShardedQueue(ShardClaims):
             what = ", ".join(f"{n} {name}" for name, n in held.items() if n)
             raise ConfigError(
                 f"queue {self.name!r} cannot go from {self.n} to {shards} shard(s) while it "
-                f"holds requests ({what}): let the workers drain it (`batchery queue pause` "
-                "stops nothing from running, but holds new work), retry or purge its dead "
-                "letters (`batchery queue dead retry|purge --all`), then change it")
+                f"holds requests ({what}): stop its producers, let the workers drain it, "
+                f"retry or purge its dead letters (`batchery queue dead retry|purge --all -q "
+                f"{self.name}`), then change it")
 
     def announce_tokenizer(self, tokenizer: str, max_input_tokens: int) -> QueueSettings:
         settings = self.first.announce_tokenizer(tokenizer, max_input_tokens)
