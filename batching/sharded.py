@@ -53,7 +53,7 @@ def first_field(item: Any) -> str:
 
 
 def open_queue(client: Any, name: str) -> "ShardedQueue":
-    """The queue ``name`` over its shards, as its settings say (one read)."""
+    """The queue ``name`` over its shards, as its settings say (read at its first call)."""
     return ShardedQueue(client, name)
 
 
@@ -66,9 +66,15 @@ class ShardedQueue(ShardClaims):
         self.first = RequestQueue(client, name, scripts=self.scripts)
         self.name, self.keys = self.first.name, self.first.keys
         self.cluster = is_cluster(client)
-        self.shards: tuple[RequestQueue, ...] = ()
+        self._shards: tuple[RequestQueue, ...] = ()  # () until the settings are read
         self.route_listeners: list[Callable[[Sequence[str]], None]] = []
-        self.settings()
+
+    @property
+    def shards(self) -> tuple[RequestQueue, ...]:  # type: ignore[override]
+        """The shards in force; the first call reads how many (no Redis call before)."""
+        if not self._shards:
+            self.settings()
+        return self._shards
 
     @property
     def n(self) -> int:
@@ -76,9 +82,9 @@ class ShardedQueue(ShardClaims):
 
     def _layout(self, n: int) -> None:
         """Use the layout of ``n`` shards; bind shard 0's own calls when ``n`` is 1."""
-        if n == len(self.shards):
+        if n == len(self._shards):
             return
-        self.shards = tuple(self.first if tag == self.name else
+        self._shards = tuple(self.first if tag == self.name else
                             RequestQueue(self.client, self.name, tag, self.scripts)
                             for tag in shard_tags(self.name, n))
         for call in DIRECT:
