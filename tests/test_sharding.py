@@ -17,6 +17,7 @@ from batchery.batching.messages import Request
 from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
 from batchery.batching.shard_claim import SHARD_SLACK_MS
 from batchery.batching.sharded import open_queue
+from batchery.errors import QueueFull
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, write_lines
 from tests.test_cluster import local_cluster, node_of_slot
@@ -166,6 +167,17 @@ def test_shard_count_changes_only_on_an_empty_queue(redis_url: str, queue_name: 
         assert json.loads(got.stdout)["status"] == "cancelled"
         bad = run_cli("queue", "config", queue_name, "--shards", "0", redis_url=redis_url)
         assert bad.returncode != 0 and "shards must be a number from 1 to 256" in bad.stderr
+
+
+def test_max_pending_holds_per_shard(rconn: redis.Redis, queue_name: str) -> None:
+    queue = open_queue(rconn, queue_name)
+    queue.update_settings(shards=3, max_pending=3)
+    ids = ids_on_every_shard("m", 3, 2)  # two per shard, shard by shard
+    assert queue.enqueue([Request.validated(id=i, input="x") for i in ids[0::2]]) == [True] * 3
+    with pytest.raises(QueueFull, match=r"one of its 3 shards holds its share of max_pending 3 "
+                                        r"\(ceil\(3 / 3\) requests\)"):
+        queue.enqueue([Request.validated(id=ids[1], input="x")])
+    assert queue.stats()["pending"] == 3
 
 
 def test_stale_producer_reroutes(target: Target, queue_name: str, tmp_path: Path) -> None:
