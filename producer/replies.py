@@ -4,8 +4,9 @@ Each client owns one list per queue shard it enqueued into (``Keys.reply(client_
 a script pushes only within its shard's slot). One reader pops them all in bulk with one
 BLPOP on a single Redis; on a Cluster (where a BLPOP cannot span slots) one reader per
 shard does. The readers start as the queue routes the client's first request to a shard
-(``follow_routes``), and resolve the futures of the handles waiting on them. A result nobody waits
-for any more (its handle was dropped) is not kept: it stays readable under its key.
+(``follow_routes``), and resolve the futures of the handles waiting on them. A result
+nobody waits for any more (its handle was dropped) is not kept: it stays readable under
+its key.
 The ids of results that reached a waiter are handed to ``on_delivered`` (the client
 deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
 stay for ``batchery queue dead list``, nor cancelled ones (kept for result_ttl): the
