@@ -36,6 +36,15 @@ class QueueFull(BatcheryError):
         self.reason = reason
 
 
+class ShardsChanged(BatcheryError):
+    """The queue's shard count changed since this producer read it (lua/enqueue.lua): the
+    facade (batching/sharded.py) reads the new layout and enqueues again. Not for users."""
+
+    def __init__(self, shards: int) -> None:
+        super().__init__(f"the queue now has {shards} shard(s); read its settings again")
+        self.shards = shards
+
+
 class JobNotFound(BatcheryError):
     """No offline job with that id."""
 

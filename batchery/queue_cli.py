@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from batchery.batching.queue import RequestQueue
+from batchery.batching.settings import MAX_SHARDS
+from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.cli_shared import (FINITE, connect, json_option, print_json, queue_option,
                                  redis_options)
 from batchery.errors import ConfigError
@@ -40,7 +41,8 @@ def _change(*decls: str, **kwargs: Any) -> Any:
 
 @queue_group.command("config")
 @click.argument("queue")
-@_change("--max-pending", type=int, help="Refuse enqueues beyond this many queued.")
+@_change("--max-pending", type=int, help="Refuse enqueues beyond this many queued (on a "
+         "sharded queue: ceil(N / shards) per shard).")
 @_change("--class-delay", multiple=True, callback=_class_delays, metavar="CLASS=SECONDS",
          help="Seconds added to a class's enqueue time (repeatable).")
 @_change("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
@@ -62,12 +64,16 @@ def _change(*decls: str, **kwargs: Any) -> Any:
          "its own; workers do not overwrite it.")
 @_change("--max-input-tokens", type=int, help="Length the workers' model truncates inputs "
          "to; producers cap their counts at it.")
+@_change("--shards", type=int, help=f"Spread the queue over N hash slots (1-{MAX_SHARDS}): on "
+         "a Redis Cluster, N x the masters puts as many shards on each, so one node's core no "
+         "longer caps the queue. Only while the queue is empty (nothing pending, delayed, in "
+         "flight or dead); max_pending then holds per shard as ceil(max_pending / N).")
 @json_option
 @redis_options
 def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,
                  cluster: bool, **changes: Any) -> None:
     """Show QUEUE's settings, changing those given first."""
-    requests = RequestQueue(connect(redis_url, cluster), queue)
+    requests = open_queue(connect(redis_url, cluster), queue)
     changes = {k: v for k, v in changes.items() if v is not None}
     settings = requests.settings()
     if changes or class_delay:
@@ -84,7 +90,7 @@ def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis
 
 def _set_paused(queue: str, paused: bool, as_json: bool, redis_url: str | None,
                 cluster: bool) -> None:
-    RequestQueue(connect(redis_url, cluster), queue).update_settings(paused=paused)
+    open_queue(connect(redis_url, cluster), queue).update_settings(paused=paused)
     if as_json:
         print_json({"queue": queue, "paused": paused})
     elif paused:
@@ -139,19 +145,20 @@ def stats(only: str | None, as_json: bool, watch: float | None, redis_url: str |
 
 
 def _print_stats(client: Any, only: str | None, as_json: bool) -> None:
-    names = [only] if only else RequestQueue.known_queues(client)
-    queues = {name: RequestQueue(client, name).stats() for name in names}
+    names = [only] if only else ShardedQueue.known_queues(client)
+    queues = {name: open_queue(client, name).stats() for name in names}
     if as_json:
         print_json({"queues": queues})
         return
     if not queues:
         click.echo("no queues yet")
         return
-    click.echo(f"{'queue':<20} {'pending':>9} {'inflight':>9} {'dead':>6} {'workers':>8}  by priority")
+    click.echo(f"{'queue':<20} {'pending':>9} {'inflight':>9} {'dead':>6} {'workers':>8} "
+               f"{'shards':>6}  by priority")
     for name, s in queues.items():
         by = " ".join(f"{c}={n}" for c, n in s["pending_by_priority"].items()) or "-"
         click.echo(f"{name:<20} {s['pending']:>9} {s['inflight']:>9} {s['dead']:>6} "
-                   f"{s['workers']:>8}  {by}{'  (paused)' if s['paused'] else ''}")
+                   f"{s['workers']:>8} {s['shards']:>6}  {by}{'  (paused)' if s['paused'] else ''}")
 
 
 # -- dead letters -------------------------------------------------------------------------
@@ -167,7 +174,7 @@ def dead_group() -> None:
 @redis_options
 def dead_list(queue: str, limit: int, as_json: bool, redis_url: str, cluster: bool) -> None:
     """Dead-lettered requests, newest first, with their last error (--json: one per line)."""
-    results = RequestQueue(connect(redis_url, cluster), queue).dead(limit)
+    results = open_queue(connect(redis_url, cluster), queue).dead(limit)
     for r in results:
         if as_json:
             click.echo(r.to_json())
@@ -201,7 +208,7 @@ def _all_option(fn: Any) -> Any:
 def dead_retry(ids: tuple[str, ...], everything: bool, queue: str, as_json: bool, redis_url: str,
                cluster: bool) -> None:
     """Send dead requests back to the queue with fresh attempts."""
-    n = RequestQueue(connect(redis_url, cluster), queue).revive(**_dead_targets(ids, everything))
+    n = open_queue(connect(redis_url, cluster), queue).revive(**_dead_targets(ids, everything))
     if as_json:
         print_json({"queue": queue, "retried": n})
     else:
@@ -217,7 +224,7 @@ def dead_retry(ids: tuple[str, ...], everything: bool, queue: str, as_json: bool
 def dead_purge(ids: tuple[str, ...], everything: bool, queue: str, as_json: bool, redis_url: str,
                cluster: bool) -> None:
     """Forget dead requests for good."""
-    n = RequestQueue(connect(redis_url, cluster), queue).purge(**_dead_targets(ids, everything))
+    n = open_queue(connect(redis_url, cluster), queue).purge(**_dead_targets(ids, everything))
     if as_json:
         print_json({"queue": queue, "purged": n})
     else:

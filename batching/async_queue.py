@@ -21,11 +21,15 @@ from batchery.batching.settings import QueueSettings
 class AsyncRequestQueue:
     """The Redis protocol of one queue, over an asyncio client (``redis.asyncio``)."""
 
-    def __init__(self, client: Any, name: str) -> None:
+    def __init__(self, client: Any, name: str, tag: str | None = None,
+                 scripts: Scripts | None = None) -> None:
         self.name = check_queue_name(name)
-        self.keys = Keys(name)
+        self.keys = Keys(tag or name)  # shard 0 is tagged with the queue's own name
         self.client = client
-        self.scripts = Scripts(client)
+        self.scripts = scripts or Scripts(client)
+
+    def keys_for(self, request_id: str) -> Keys:
+        return self.keys
 
     async def register(self) -> None:
         await self.client.sadd(QUEUES, self.name)
@@ -33,8 +37,9 @@ class AsyncRequestQueue:
     async def settings(self) -> QueueSettings:
         return QueueSettings.from_redis(await self.client.hgetall(self.keys.settings))
 
-    async def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
-        call = enqueue_call(self.keys, requests, client_id)
+    async def enqueue(self, requests: Sequence[Request], client_id: str = "",
+                      shards: int = 1) -> list[bool]:
+        call = enqueue_call(self.keys, requests, client_id, shards)
         try:
             reply = await self.scripts.enqueue(call.keys, call.args)
         except redis.OutOfMemoryError as exc:

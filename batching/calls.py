@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from batchery.batching.keys import Keys
 from batchery.batching.messages import CANCELLED, Claimed, Request, Result, estimate_tokens
 from batchery.batching.settings import DEFAULTS
-from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
+from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,12 @@ class ClaimReply:
 
 
 
-def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str) -> Call:
-    """The enqueue script's KEYS and ARGV (see lua/enqueue.lua)."""
+def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1) -> Call:
+    """The enqueue script's KEYS and ARGV (see lua/enqueue.lua); ``shards``: the shard
+    count the caller routed by (the script refuses when the queue's differs)."""
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
-                       delays, client_id, DEFAULTS.memory_high_water]
+                       delays, client_id, DEFAULTS.memory_high_water, shards]
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
@@ -102,8 +103,13 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
     if int(reply[0]) == 1:
         return [bool(int(s)) for s in reply[2:]]
     code, index, detail = reply[1], int(reply[2]), reply[3]
+    if code == "shards":
+        raise ShardsChanged(int(detail))
     if code == "full":
-        raise QueueFull(f"queue is full: it holds its max_pending of {detail} requests; "
+        held = (f"its max_pending of {detail} requests" if index <= 1 else
+                f"one of its {index} shards holds its share of max_pending {detail} "
+                f"(ceil({detail} / {index}) requests)")
+        raise QueueFull(f"queue is full: {held}; "
                         "retry later, add workers, or raise it with `batchery queue config "
                         "QUEUE --max-pending N`")
     if code == "memory":

@@ -1,13 +1,20 @@
 """Every Redis key batchery uses, in one place.
 
-All keys of one queue carry the hash tag ``{queue}`` so that each Lua script touches a
-single slot and the same code runs on Redis Cluster. No key string literals elsewhere.
+All keys of one queue shard carry one hash tag so that each Lua script touches a single
+slot and the same code runs on Redis Cluster. Shard 0 of queue Q is tagged ``{Q}`` (a
+queue of one shard is that alone); shard i of N is tagged ``{Q~i}`` or a salted
+``{Q~i.S}`` placed in the i-th of N equal slot ranges (see ``shard_tags``). No key
+string literals elsewhere.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from batchery.errors import ConfigError
 
@@ -23,12 +30,45 @@ def check_queue_name(name: str) -> str:
     return name
 
 
+SHARD_MARK = "~"  # never in a queue name (QUEUE_NAME), so a shard's tag is no queue's
+
+
+def tag_slot(tag: str) -> int:
+    """The Redis Cluster hash slot of every key tagged ``{tag}``."""
+    return key_slot(f"{{{tag}}}".encode())
+
+
+@lru_cache(maxsize=256)
+def shard_tags(queue: str, shards: int) -> tuple[str, ...]:
+    """The hash tags of a queue's ``shards`` shards. Shard 0 is the queue name itself.
+    Shard i is the first of ``Q~i``, ``Q~i.1``, ``Q~i.2``... whose slot lies in the
+    i-th of ``shards`` equal slot ranges starting at the queue's own slot (mod 16384):
+    masters owning equal contiguous ranges (the usual layout) each get a fair share."""
+    start, tags = tag_slot(queue), [queue]
+    for i in range(1, shards):
+        salt = 0
+        while True:
+            tag = f"{queue}{SHARD_MARK}{i}" + (f".{salt}" if salt else "")
+            offset = (tag_slot(tag) - start) % REDIS_CLUSTER_HASH_SLOTS
+            if offset * shards // REDIS_CLUSTER_HASH_SLOTS == i:
+                break
+            salt += 1
+        tags.append(tag)
+    return tuple(tags)
+
+
+def shard_of(request_id: str, shards: int) -> int:
+    """The shard (index into ``shard_tags``) that holds ``request_id``: CRC32 of the id
+    mod the shard count, so every enqueue of an id meets the first one."""
+    return zlib.crc32(request_id.encode()) % shards if shards > 1 else 0
+
+
 @dataclass(frozen=True)
 class Keys:
-    queue: str
+    tag: str  # the hash tag of one queue shard: the queue name for shard 0
 
     def _key(self, name: str) -> str:
-        return f"{PREFIX}:{{{self.queue}}}:{name}"
+        return f"{PREFIX}:{{{self.tag}}}:{name}"
 
     @property
     def pending(self) -> str:

@@ -43,25 +43,33 @@ class Reaped:
 
 
 class RequestQueue:
-    """The Redis protocol of one queue, over a synchronous client."""
+    """The Redis protocol of one queue shard, over a synchronous client. Callers open a
+    queue with batching/sharded.py's ``open_queue``: one logical queue over its shards."""
 
-    def __init__(self, client: Any, name: str) -> None:
+    def __init__(self, client: Any, name: str, tag: str | None = None,
+                 scripts: Scripts | None = None) -> None:
         self.name = check_queue_name(name)
-        self.keys = Keys(name)
+        self.keys = Keys(tag or name)  # shard 0 is tagged with the queue's own name
         self.client = client
-        self.scripts = Scripts(client)
+        self.scripts = scripts or Scripts(client)
+
+    def keys_for(self, request_id: str) -> Keys:
+        """The keys of the shard that holds ``request_id`` (its generation stream)."""
+        return self.keys
 
     # -- producers -------------------------------------------------------------------
     def register(self) -> None:
         """List the queue for `batchery queue stats` (a separate key: it carries no hash tag)."""
         self.client.sadd(QUEUES, self.name)
 
-    def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
+    def enqueue(self, requests: Sequence[Request], client_id: str = "",
+                shards: int = 1) -> list[bool]:
         """Accept requests all or nothing; True for each new one, False if already known.
 
-        Raises QueueFull (reason ``max_pending`` or ``memory``), or InvalidRequest.
+        Raises QueueFull (reason ``max_pending`` or ``memory``), or InvalidRequest;
+        ShardsChanged when the queue's shard count is not ``shards`` (route again).
         """
-        call = enqueue_call(self.keys, requests, client_id)
+        call = enqueue_call(self.keys, requests, client_id, shards)
         try:
             reply = self.scripts.enqueue(call.keys, call.args)
         except redis.OutOfMemoryError as exc:
@@ -132,8 +140,13 @@ class RequestQueue:
 
     def update_settings(self, **changes: Any) -> QueueSettings:
         new = self.settings().updated(**changes)
-        self.client.hset(self.keys.settings, mapping=new.to_redis())
+        self.write_settings(new)
         return new
+
+    def write_settings(self, settings: QueueSettings, only: Sequence[str] = ()) -> None:
+        """Store ``settings`` (``only``: those fields of them) in this shard's hash."""
+        flat = settings.to_redis()
+        self.client.hset(self.keys.settings, mapping={k: flat[k] for k in only} if only else flat)
 
     def announce_tokenizer(self, tokenizer: str, max_input_tokens: int) -> QueueSettings:
         """Tell producers how the workers count tokens, where nobody has yet: a tokenizer
@@ -149,18 +162,19 @@ class RequestQueue:
     # -- workers -----------------------------------------------------------------------
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
               lookahead: int, price_estimates: bool = False,
-              counts: Sequence[tuple[str, int]] = ()) -> ClaimReply:
+              counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None) -> ClaimReply:
         """Lease the next batch. ``price_estimates``: this worker counts tokens exactly, so
         when candidates are priced by estimate nothing is leased and ``to_price`` lists
         them: count them, claim again with their (id, exact tokens) as ``counts``. The
-        claim chooses on those and stores the counts of the ones it leaves queued."""
+        claim chooses on those and stores the counts of the ones it leaves queued.
+        ``ceiling``: lease nothing ranked above it (a sharded queue's claim)."""
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
              k.settings, k.depth, k.claim(token)],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
              min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-             *(v for pair in counts for v in pair)])
+             "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
         return parse_claim(reply, token)
 
     def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
@@ -326,9 +340,13 @@ class RequestQueue:
         return [json.loads(r).get("input") if r else None for r in raws]
 
     # -- dead letters ------------------------------------------------------------------
+    def dead_entries(self, limit: int = 100) -> list[tuple[str, float]]:
+        """(id, ms it was dead-lettered) of the newest ``limit`` dead letters."""
+        return self.client.zrevrange(self.keys.dead, 0, limit - 1, withscores=True)
+
     def dead(self, limit: int = 100) -> list[Result]:
         """Dead-lettered requests, newest first, with their last error."""
-        ids = self.client.zrevrange(self.keys.dead, 0, limit - 1)
+        ids = [i for i, _ in self.dead_entries(limit)]
         results = self.results(ids)
         return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
 
@@ -351,8 +369,17 @@ class RequestQueue:
                                        k.leased, k.history], [int(everything), *ids]))
 
     # -- observation -------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Depth by class, in flight, dead letters, live workers and running totals."""
+    def held(self) -> dict[str, int]:
+        """What this shard holds: pending, delayed, in flight, dead (one round trip)."""
+        k = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        for key in (k.pending, k.delayed, k.leased, k.dead):
+            pipe.zcard(key)
+        return dict(zip(("pending", "delayed", "inflight", "dead"), pipe.execute()))
+
+    def stats(self, workers: bool = True) -> dict[str, Any]:
+        """Depth by class, in flight, dead letters, live workers (``workers``: counted)
+        and running totals."""
         k = self.keys
         pipe = self.client.pipeline(transaction=False)
         pipe.zcard(k.pending)
@@ -366,7 +393,7 @@ class RequestQueue:
         return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
-                "workers": self.live_workers(),
+                "workers": self.live_workers() if workers else 0,
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
     @staticmethod

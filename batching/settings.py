@@ -54,6 +54,10 @@ class QueueSettings:
     delete_delivered: bool = True
     # Workers claim nothing while set (`batchery queue pause`); producers still enqueue.
     paused: bool = False
+    # Hash slots the queue is spread over (batching/sharded.py), each with its own Lua
+    # scripts' keys: one Redis Cluster node's core no longer caps the queue. 1: one slot.
+    # Stored in every shard's settings hash; max_pending holds per shard (ceil of 1/N).
+    shards: int = 1
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
@@ -96,6 +100,7 @@ class QueueSettings:
 
 
 MAX_CLASS_DELAY_S = 7 * 86_400
+MAX_SHARDS = 256  # more than any cluster's masters need; keeps per-claim head reads small
 # Accepted range of each numeric setting. The upper bounds keep every value one Redis
 # and Lua can use (an expire of 10**16 s is "invalid expire time" on every commit).
 LIMITS: dict[str, tuple[float, float]] = {
@@ -107,6 +112,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "max_request_bytes": (64, 512 << 20),     # Redis' bulk string limit
     "max_input_tokens": (0, 10_000_000),
     "memory_high_water": (0, 1),
+    "shards": (1, MAX_SHARDS),
 }
 
 

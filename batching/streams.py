@@ -19,7 +19,7 @@ end, whether or not anyone reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from batchery.batching.keys import Keys
 from batchery.batching.messages import Result
@@ -42,10 +42,11 @@ class StreamEvent:
 
 
 class StreamWriter:
-    """The worker's side: every entry of one decode step in one round trip."""
+    """The worker's side: every entry of one decode step in one round trip.
+    ``keys_for``: the keys of a request's queue shard (ShardedQueue.keys_for)."""
 
-    def __init__(self, client: Any, keys: Keys) -> None:
-        self.client, self.keys = client, keys
+    def __init__(self, client: Any, keys_for: Callable[[str], Keys]) -> None:
+        self.client, self.keys_for = client, keys_for
         self._entries: list[tuple[str, dict[str, Any], bool]] = []
 
     def start(self, request_id: str, attempt: int) -> None:
@@ -63,7 +64,7 @@ class StreamWriter:
         entries, self._entries = self._entries, []
         pipe = self.client.pipeline(transaction=False)
         for request_id, fields, expire in entries:
-            key = self.keys.stream(request_id)
+            key = self.keys_for(request_id).stream(request_id)
             pipe.xadd(key, fields, maxlen=MAXLEN, approximate=True)
             if expire:
                 pipe.expire(key, TTL_S)

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("BATCHERY_HOME", str(ROOT / ".batchery"))  # the demo's own Redis
 
-from batchery.batching.queue import RequestQueue  # noqa: E402  (after BATCHERY_HOME is set)
+from batchery.batching.sharded import ShardedQueue, open_queue  # noqa: E402  (after BATCHERY_HOME is set)
 from batchery.connection import RedisSettings  # noqa: E402
 from batchery.producer.jobs import bookkeeping as jobs  # noqa: E402
 from bench.corpus import paragraphs  # noqa: E402
@@ -49,7 +49,7 @@ def start_workers() -> list[subprocess.Popen]:
         subprocess.Popen(batchery("job", "worker"), env=ENV)]
 
 
-def reset(queue: RequestQueue) -> None:
+def reset(queue: ShardedQueue) -> None:
     for key in queue.client.scan_iter(f"*{{{QUEUE}}}*"):
         queue.client.delete(key)
 
@@ -71,7 +71,7 @@ def main() -> None:
     source, output = OUT / "demo-requests.jsonl", OUT / "demo-results.jsonl"
     order = write_requests(source)
     settings = RedisSettings.from_url(None)
-    queue = RequestQueue(settings.client(), QUEUE)
+    queue = open_queue(settings.client(), QUEUE)
     reset(queue)
     print(f"redis: embedded ({os.environ['BATCHERY_HOME']}); {len(order)} paragraphs in "
           f"{source.relative_to(ROOT)}; starting a worker with the packaged all-MiniLM-L6-v2 "
@@ -99,7 +99,7 @@ def main() -> None:
     report(queue.stats()["totals"], output, order, seconds)
 
 
-def wait_live(queue: RequestQueue) -> None:
+def wait_live(queue: ShardedQueue) -> None:
     deadline = time.monotonic() + 120
     while queue.stats()["workers"] < WORKERS:
         if time.monotonic() > deadline:

@@ -2,7 +2,7 @@
 
 No web framework here: :class:`Board` returns plain JSON-ready dicts (``/api/state``
 serves them as they are, the page renders them), so it is tested against Redis alone.
-Every read goes through :class:`RequestQueue` and the jobs module, the owners of the keys.
+Every read goes through :class:`ShardedQueue` and the jobs module, the owners of the keys.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import redis
 
-from batchery.batching.queue import OLDEST_LOOKAHEAD, RequestQueue
+from batchery.batching.queue import OLDEST_LOOKAHEAD
+from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
@@ -93,11 +94,11 @@ class Board:
         if self._rq is not None:
             self._rq.close()
 
-    def queue(self, name: str) -> RequestQueue:
-        return RequestQueue(self.client, name)
+    def queue(self, name: str) -> ShardedQueue:
+        return open_queue(self.client, name)
 
     def queue_names(self) -> list[str]:
-        return RequestQueue.known_queues(self.client)
+        return ShardedQueue.known_queues(self.client)
 
     def sample(self) -> dict[str, dict[str, Any]]:
         """Every queue's `batchery queue stats` numbers, recorded in the history."""
@@ -134,7 +135,7 @@ class Board:
                 "worker_list": [worker_view(name, w, now_ms) for w in workers],
                 "dead_letters": self._dead(q)}
 
-    def _dead(self, q: RequestQueue) -> list[dict[str, Any]]:
+    def _dead(self, q: ShardedQueue) -> list[dict[str, Any]]:
         results = q.dead(self.options.dead_limit)
         inputs = q.inputs([r.id for r in results]) if self.options.show_payloads else []
         rows = [{"id": r.id, "attempts": r.attempts, "error_type": (r.error or {}).get("type", ""),

@@ -8,8 +8,8 @@ import time
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 from batchery import tracing
-from batchery.batching.async_queue import AsyncRequestQueue
-from batchery.batching.keys import Keys, check_queue_name
+from batchery.batching.async_sharded import open_async_queue
+from batchery.batching.keys import check_queue_name
 from batchery.batching.messages import Request, Result
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
@@ -57,7 +57,7 @@ class AsyncHandle:
     async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
         """``Handle.stream`` awaited: text as generated, "restarted", then "result"."""
         timeout = check_timeout(timeout)
-        reader = StreamReader(self._client.keys, self.id)
+        reader = StreamReader(self._client.queue.keys_for(self.id), self.id)
         heard = time.monotonic()
         while not reader.ended:
             events = await reader.aread(self._client._conn)
@@ -88,7 +88,6 @@ class AsyncClient:
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn: Any = None
         self._queue_name = check_queue_name(queue)
-        self.keys = Keys(queue)
         self.client_id = secrets.token_hex(8)
         self._new_id = RequestIds()
         self._count: TokenCounter | None = None
@@ -103,7 +102,7 @@ class AsyncClient:
 
     async def connect(self) -> None:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
-        self.queue = AsyncRequestQueue(self._conn, self._queue_name)
+        self.queue = await open_async_queue(self._conn, self._queue_name)
         self.replies = AsyncReplyListener(self.queue, self.client_id, self._forget_delivered)
         await self.queue.register()  # listed for `batchery queue stats`
         await self._load_settings()

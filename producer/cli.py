@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from batchery.batching.messages import Request, parse_priority
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import open_queue
 from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
                                  queue_option, redis_options)
 from batchery.errors import InvalidRequest, NotOk, RequestNotFound
@@ -117,7 +117,7 @@ def request_get(request_id: str, as_json: bool, queue: str, redis_url: str | Non
                 cluster: bool) -> None:
     """Print the request's result as JSON (status "pending" while queued or running);
     --json changes nothing here, for scripts that pass it everywhere."""
-    found = RequestQueue(connect(redis_url, cluster), queue).lookup([request_id])[0]
+    found = open_queue(connect(redis_url, cluster), queue).lookup([request_id])[0]
     if found is False:
         raise RequestNotFound(f"queue {queue!r} holds no request {request_id!r}: never "
                               "enqueued, or its result expired or was delivered and deleted")
@@ -140,7 +140,7 @@ CANCEL_NAMES = {1: "cancelled_queued", 2: "cancelled_running", 3: "cancelled_alr
 def request_cancel(request_ids: tuple[str, ...], as_json: bool, queue: str,
                    redis_url: str | None, cluster: bool) -> None:
     """Cancel requests; exits 7 when one could not be (finished already, or unknown)."""
-    flags = RequestQueue(connect(redis_url, cluster), queue).cancel(list(request_ids))
+    flags = open_queue(connect(redis_url, cluster), queue).cancel(list(request_ids))
     if as_json:
         print_json({request_id: CANCEL_NAMES[flag] for request_id, flag in zip(request_ids, flags)})
     else:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from batchery import tracing
 from batchery.batching.messages import CANCELLED, Request, Result
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -122,7 +122,7 @@ class Handle:
         without ``"stream": true`` in its input yields its result alone. ``timeout``
         bounds the wait for each event; raises ResultTimeout past it."""
         timeout = check_timeout(timeout)
-        reader = StreamReader(self._client.queue.keys, self.id)
+        reader = StreamReader(self._client.queue.keys_for(self.id), self.id)
         heard = time.monotonic()
         while not reader.ended:
             events = reader.read(self._client.queue.client)
@@ -164,7 +164,7 @@ class Client:
                  cluster: bool = False) -> None:
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn = self.redis.client()
-        self.queue = RequestQueue(self._conn, queue)
+        self.queue = open_queue(self._conn, queue)
         self.client_id = secrets.token_hex(8)
         self.replies = ReplyListener(self.queue, self.client_id, self._forget_delivered)
         self._delete_delivered: bool | None = None

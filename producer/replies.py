@@ -1,8 +1,12 @@
 """One blocking read per client: a reply list that workers push results onto.
 
-Each client owns one list (``Keys.reply(client_id)``); a single reader pops results in
-bulk and resolves the futures of the handles waiting on them. A result nobody waits
-for any more (its handle was dropped) is not kept: it stays readable under its key.
+Each client owns one list per queue shard it enqueued into (``Keys.reply(client_id)``:
+a script pushes only within its shard's slot). One reader pops them all in bulk with one
+BLPOP on a single Redis; on a Cluster (where a BLPOP cannot span slots) one reader per
+shard does. The readers start as the queue routes the client's first request to a shard
+(``follow_routes``), and resolve the futures of the handles waiting on them. A result
+nobody waits for any more (its handle was dropped) is not kept: it stays readable under
+its key.
 The ids of results that reached a waiter are handed to ``on_delivered`` (the client
 deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
 stay for ``batchery queue dead list``, nor cancelled ones (kept for result_ttl): the
@@ -21,9 +25,9 @@ from typing import Awaitable, Callable, Iterable
 import redis
 
 from batchery import tracing
-from batchery.batching.async_queue import AsyncRequestQueue
+from batchery.batching.async_sharded import AsyncShardedQueue
 from batchery.batching.messages import CANCELLED, DEAD, Result
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
@@ -34,7 +38,7 @@ RETRY_CAP_S = 2.0
 class ReplyListener:
     """Resolves concurrent.futures of one synchronous client, from a daemon thread."""
 
-    def __init__(self, queue: RequestQueue, client_id: str,
+    def __init__(self, queue: ShardedQueue, client_id: str,
                  on_delivered: Callable[[list[str]], None] | None = None) -> None:
         self._queue = queue
         self._client_id = client_id
@@ -43,7 +47,11 @@ class ReplyListener:
         self._sinks: dict[str, Callable[[Result], None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # the shards' tags this client enqueued into; a reader per tag (Cluster) or one
+        # reader, keyed None, over all of them (a single Redis)
+        self._followed: tuple[str, ...] = ()
+        self._readers: dict[str | None, threading.Thread] = {}
+        queue.follow_routes(self._follow)
 
     def watch(self, request_id: str) -> Future:
         """A future for the request's result; register it before enqueueing the request."""
@@ -52,7 +60,6 @@ class ReplyListener:
             if future is None:
                 future = Future()
                 self._waiters[request_id] = future
-            self._start()
         return future
 
     def collect(self, request_ids: Iterable[str], sink: Callable[[Result], None]) -> None:
@@ -63,12 +70,19 @@ class ReplyListener:
         """
         with self._lock:
             self._sinks.update((request_id, sink) for request_id in request_ids)
-            self._start()
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="batchery-replies", daemon=True)
-            self._thread.start()
+    def _follow(self, tags: Iterable[str]) -> None:
+        """Read the reply lists of these shards too (called as an enqueue routes)."""
+        new = [t for t in tags if t not in self._followed]
+        if not new:
+            return
+        with self._lock:
+            self._followed = tuple(dict.fromkeys([*self._followed, *new]))
+            for reader in (new if self._queue.cluster else [None]):
+                if reader not in self._readers:
+                    self._readers[reader] = threading.Thread(
+                        target=self._run, args=(reader,), name="batchery-replies", daemon=True)
+                    self._readers[reader].start()
 
     def forget(self, request_id: str) -> None:
         with self._lock:
@@ -100,14 +114,15 @@ class ReplyListener:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=BLOCK_S * 4)
+        for reader in list(self._readers.values()):
+            reader.join(timeout=BLOCK_S * 4)
 
-    def _run(self) -> None:
+    def _run(self, tag: str | None) -> None:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN)
+                popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
+                                                 self._followed if tag is None else (tag,))
                 self.delivered([r for r in popped if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
@@ -119,23 +134,33 @@ class ReplyListener:
 class AsyncReplyListener:
     """The asyncio twin of ReplyListener: one task per client resolves asyncio futures."""
 
-    def __init__(self, queue: AsyncRequestQueue, client_id: str,
+    def __init__(self, queue: AsyncShardedQueue, client_id: str,
                  on_delivered: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
         self._queue = queue
         self._client_id = client_id
         self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
-        self._task: asyncio.Task | None = None
+        self._followed: tuple[str, ...] = ()
+        self._tasks: dict[str | None, asyncio.Task] = {}
         self._stopping = False
+        queue.follow_routes(self._follow)
 
     def watch(self, request_id: str) -> asyncio.Future:
         future = self._waiters.get(request_id)
         if future is None:
             future = asyncio.get_running_loop().create_future()
             self._waiters[request_id] = future
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="batchery-replies")
         return future
+
+    def _follow(self, tags: Iterable[str]) -> None:
+        """As ReplyListener._follow, with a task per reader (called in the event loop)."""
+        new = [t for t in tags if t not in self._followed]
+        if not new:
+            return
+        self._followed = tuple(dict.fromkeys([*self._followed, *new]))
+        for reader in (new if self._queue.cluster else [None]):
+            if reader not in self._tasks:
+                self._tasks[reader] = asyncio.create_task(self._run(reader), name="batchery-replies")
 
     def deliver(self, result: Result) -> bool:
         tracing.delivered(result)
@@ -156,19 +181,22 @@ class AsyncReplyListener:
     async def close(self) -> None:
         """Stop after the current blocking pop (at most BLOCK_S) rather than cancel it:
         cancelling a read redis-py has nearly finished can leave the task stuck."""
-        if self._task is None:
+        if not self._tasks:
             return
         self._stopping = True
+        tasks = list(self._tasks.values())
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), BLOCK_S * 4)
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*tasks)), BLOCK_S * 4)
         except asyncio.TimeoutError:
-            self._task.cancel()
+            for task in tasks:
+                task.cancel()
 
-    async def _run(self) -> None:
+    async def _run(self, tag: str | None) -> None:
         backoff = 0.05
         while not self._stopping:
             try:
-                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN)
+                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
+                                                       self._followed if tag is None else (tag,))
                 await self.delivered([r for r in popped if self.deliver(r)])
                 backoff = 0.05
             except redis.RedisError as exc:

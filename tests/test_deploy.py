@@ -341,7 +341,7 @@ def test_keda_scales_from_zero_on_the_queues_sorted_sets(check: Any, rconn: Any)
         assert f"create secret generic {ref['name']}" in howto
         assert f"--from-literal={ref['key']}=" in howto
     # what KEDA's redis scaler does on a live Redis: TYPE, then ZCARD for a sorted set
-    queue = RequestQueue(rconn, keys.queue)
+    queue = RequestQueue(rconn, keys.tag)
     queue.enqueue([Request.validated(id=f"k{i}", input="x") for i in range(3)])
     depth = {}
     for t in triggers:

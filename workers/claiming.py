@@ -11,7 +11,7 @@ import redis
 
 from batchery.batching.messages import Claimed, estimate_tokens
 from batchery.batching.calls import ClaimReply
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 from batchery.workers import metrics, tracing
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
 from batchery.workers.leases import Leases, report_redis_error
@@ -27,7 +27,7 @@ PRICING_ROUNDS = 3
 class Claimer(threading.Thread):
     """Fills ``batches`` with prepared batches, ``options.prefetch`` ahead of the model."""
 
-    def __init__(self, queue_: RequestQueue, runner: Runner, options: WorkerOptions,
+    def __init__(self, queue_: ShardedQueue, runner: Runner, options: WorkerOptions,
                  leases: Leases, cap: BatchCap, on_final: Callable[[Executed], None],
                  stop: threading.Event, burst: bool = False) -> None:
         super().__init__(name="batchery-claimer", daemon=True)
@@ -180,7 +180,7 @@ class Claimer(threading.Thread):
         if reply.wait_ms > 0 and reply.wait_ms <= o.max_wait_ms:
             self.stop.wait(wait_s)  # the head is being held: claim again when it is due
         else:
-            self.queue.wait_for_work(max(0.01, min(wait_s, o.idle_poll_s)))
+            self.queue.wait_for_work(max(0.01, min(wait_s, o.idle_poll_s)), o.worker_id)
 
     def prepare(self, requests: list[Claimed], claimed_ms: int) -> list[Batch]:
         """Tokenize; if the exact count busts the token budget, split by length to fit."""

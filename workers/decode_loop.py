@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
@@ -36,7 +36,7 @@ class Slot:
 
 
 class DecodeLoop:
-    def __init__(self, queue_: RequestQueue, runner: Any, claimer: Claimer, leases: Leases,
+    def __init__(self, queue_: ShardedQueue, runner: Any, claimer: Claimer, leases: Leases,
                  writer: ResultWriter, options: Any,
                  count: Callable[..., None] = lambda **_: None) -> None:
         self.queue, self.runner, self.claimer = queue_, runner, claimer
@@ -48,7 +48,7 @@ class DecodeLoop:
         # preempted rows still in the batch's cache: cutting it copies the whole cache (tens
         # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
         self._preempting: list[Sequence] = []
-        self.streams = StreamWriter(queue_.client, queue_.keys)
+        self.streams = StreamWriter(queue_.client, queue_.keys_for)
         self._checked = time.monotonic()
         self._claim_backoff, self._claim_after = 0.1, 0.0
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
 from batchery.workers.decode_loop import DecodeLoop
@@ -72,11 +72,11 @@ class GenerateWorker(Worker):
         loop = getattr(self, "loop", None)
         return {**super().info(), "preempted": loop.preempted if loop else 0}
 
-    def _on_committed(self, queue_: RequestQueue) -> Callable[[list[Outcome]], None]:
-        ends = StreamWriter(queue_.client, queue_.keys)  # the writer thread's own
+    def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None]:
+        ends = StreamWriter(queue_.client, queue_.keys_for)  # the writer thread's own
         return lambda done: _end_streams(ends, done)
 
-    def _work(self, queue_: RequestQueue, claimer: Claimer, writer: ResultWriter,
+    def _work(self, queue_: ShardedQueue, claimer: Claimer, writer: ResultWriter,
               cap: BatchCap, burst: bool) -> None:
         o = self.options
         log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache, "

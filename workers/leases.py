@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 import redis
 
 from batchery.batching.messages import Claimed
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 from batchery.connection import transient
 from batchery.workers import metrics, tracing
 
@@ -66,7 +66,7 @@ class Heartbeat(threading.Thread):
     Every live worker tries the reaper; a short lock lets one of them run it per beat.
     """
 
-    def __init__(self, queue: RequestQueue, worker_id: str, leases: Leases,
+    def __init__(self, queue: ShardedQueue, worker_id: str, leases: Leases,
                  stop: threading.Event, info: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(name="batchery-heartbeat", daemon=True)
         self.queue, self.worker_id, self.leases, self.stop = queue, worker_id, leases, stop

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import redis
 
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.connection import RedisSettings, transient
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import DRAINED, Claimer
@@ -51,7 +51,7 @@ class Worker:
         client = self.redis_settings.client()
         metrics.bind(self.options.queue)
         try:
-            queue_ = RequestQueue(client, self.options.queue)
+            queue_ = open_queue(client, self.options.queue)
             self._announce(queue_)
             self.runner.warmup()
             restore = self._install_signals() if handle_signals else None
@@ -67,7 +67,7 @@ class Worker:
     # the claimer claims ahead on its own thread; the generate worker claims between steps
     claims_ahead = True
 
-    def _serve(self, queue_: RequestQueue, burst: bool) -> None:
+    def _serve(self, queue_: ShardedQueue, burst: bool) -> None:
         """The threads every worker runs (leases, writer, heartbeat, claimer) around its
         model loop (``_work``), and their orderly end: prefetched claims go back, results
         are written, the worker leaves the registry."""
@@ -97,11 +97,11 @@ class Worker:
             _retrying(lambda: queue_.leave(self.id))
         log.info("worker %s stopped after %d batches", self.id, self.batches_run)
 
-    def _on_committed(self, queue_: RequestQueue) -> Callable[[list[Outcome]], None] | None:
+    def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None] | None:
         """What the writer does after committing results (nothing, for whole batches)."""
         return None
 
-    def _work(self, queue_: RequestQueue, claimer: Claimer, writer: ResultWriter,
+    def _work(self, queue_: ShardedQueue, claimer: Claimer, writer: ResultWriter,
               cap: BatchCap, burst: bool) -> None:
         """Run the batches the claimer prepares until stopped (or the burst is drained)."""
         executor = Executor(self.runner, cap)
@@ -161,7 +161,7 @@ class Worker:
                 "parallel_batches": self.options.parallel_batches,
                 "started": round(self._started), **ran}
 
-    def _announce(self, queue_: RequestQueue) -> None:
+    def _announce(self, queue_: ShardedQueue) -> None:
         """Register the queue and tell producers how this model counts tokens."""
         def announce() -> None:
             queue_.register()

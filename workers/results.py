@@ -11,7 +11,7 @@ from typing import Any, Callable
 import redis
 
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import ShardedQueue
 from batchery.connection import transient
 from batchery.workers import metrics, tracing
 from batchery.workers.execution import Executed, Outcome
@@ -23,7 +23,7 @@ BACKLOG = 8  # batches waiting to be written before the model thread waits for R
 
 
 class ResultWriter(threading.Thread):
-    def __init__(self, queue_: RequestQueue, worker_id: str, leases: Leases,
+    def __init__(self, queue_: ShardedQueue, worker_id: str, leases: Leases,
                  on_committed: Callable[[list[Outcome]], None] | None = None) -> None:
         super().__init__(name="batchery-writer", daemon=True)
         self.queue, self.worker_id, self.leases = queue_, worker_id, leases

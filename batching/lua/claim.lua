@@ -16,7 +16,10 @@
 -- ARGV[6] default lease_seconds
 -- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
 --         to price before any batch is chosen; 0: choose on estimates
--- ARGV[8..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
+-- ARGV[8] rank ceiling: lease nothing ranked above it ('' none). A sharded queue's
+--         claimer passes the next shard's head rank + SHARD_SLACK_MS (batching/sharded.py)
+--         so no shard's head is overtaken by much later requests of another.
+-- ARGV[9..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
 --         counted again by their worker, and again if they come back for a retry).
@@ -38,7 +41,8 @@ local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local counted, counted_ids = {}, {}
-for i = 8, #ARGV - 1, 2 do
+local ceiling = ARGV[8] ~= '' and ARGV[8] or nil
+for i = 9, #ARGV - 1, 2 do
   local id, tokens = ARGV[i], ARGV[i + 1]
   if not counted[id] and string.match(tokens, '^[1-9]%d*$') then  -- first count of an id
     counted[id] = tokens
@@ -124,9 +128,18 @@ end
 -- rest of the lookahead is not read: a fixed-length or no-op workload reads each request
 -- once, not lookahead / batch size times. Otherwise the claim reads on to `lookahead`.
 -- (batching/policy.py settled_by states the same rule.)
+-- `count` pending ids from `offset` on, in rank order, none ranked above the ceiling
+local function pending_ids(offset, count)
+  if ceiling then
+    return rcall('ZRANGEBYSCORE', K.pending, '-inf', ceiling, 'LIMIT', offset, count)
+  end
+  return rcall('ZRANGE', K.pending, offset, offset + count - 1)
+end
 local window = math.min(max_size, lookahead)
-local ids = rcall('ZRANGE', K.pending, 0, window - 1)
+local ids = pending_ids(0, window)
 if #ids == 0 then
+  -- all above the ceiling (another shard's head came first since it was read): ask again
+  if ceiling and rcall('ZCARD', K.pending) > 0 then return {now, 1, 0} end
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
@@ -176,7 +189,7 @@ for j = 2, #live do
   settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
 end
 if not settled and #ids == window and window < lookahead then
-  local more = rcall('ZRANGE', K.pending, window, lookahead - 1)
+  local more = pending_ids(window, lookahead - window)
   if #more > 0 then
     local more_scheds = rcall('HMGET', K.sched, unpack(more))
     for n = 1, #more do ids[window + n], scheds[window + n] = more[n], more_scheds[n] end

@@ -17,14 +17,17 @@
 -- ARGV[5] client id whose reply list gets the results ('' for none)
 -- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
--- ARGV[7..] groups of 5: id, priority (class name or integer seconds), tokens ("~N": an estimate),
+-- ARGV[7] the shard count the caller routed by (QueueSettings.shards as it read them)
+-- ARGV[8..] groups of 5: id, priority (class name or integer seconds), tokens ("~N": an estimate),
 --           deadline in ms from now (0 = none), request JSON
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
 --         repeated within the call is accepted once, with its first payload);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
 --         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
---         'memory' (detail: "used_memory/maxmemory");
---         nothing is written then.
+--         'memory' (detail: "used_memory/maxmemory"), 'shards' (detail: the shard
+--         count stored here, which the caller's ARGV[7] differs from: route again);
+--         nothing is written then. 'full' gives the shard count as its index: each
+--         shard holds at most ceil(max_pending / shards).
 -- Idempotent: a call that accepted ids remembers its reply under KEYS[12] for 60 s; the
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
@@ -33,7 +36,10 @@ local K = named_keys({'pending', 'requests', 'sched', 'settings', 'wake', 'depth
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
-local max_pending = setting(K.settings, 'max_pending', tonumber(ARGV[2]))
+local shards = setting(K.settings, 'shards', 1)
+if shards ~= tonumber(ARGV[7]) then return {0, 'shards', 0, shards} end
+local max_total = setting(K.settings, 'max_pending', tonumber(ARGV[2]))
+local max_pending = math.ceil(max_total / shards)  -- this shard's share
 local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
 
 local default_delays = {}
@@ -74,7 +80,7 @@ local function over_high_water(incoming)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
-local n = (#ARGV - 6) / 5
+local n = (#ARGV - 7) / 5
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
 -- longer blocks its id: its leftovers are dropped and the id runs afresh.
 -- Two reads for the whole call, not two per request: how many have a result (none, on a
@@ -82,7 +88,7 @@ local n = (#ARGV - 6) / 5
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 local ids, result_keys = {}, {}
 for i = 1, n do
-  ids[i] = ARGV[6 + (i - 1) * 5 + 1]
+  ids[i] = ARGV[7 + (i - 1) * 5 + 1]
   result_keys[i] = result_key(result_prefix, ids[i])
 end
 local some_results = n > 0 and count_existing(result_keys) > 0
@@ -97,7 +103,7 @@ local function known(i, id)
   return true
 end
 for i = 1, n do
-  local base = 6 + (i - 1) * 5
+  local base = 7 + (i - 1) * 5
   local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
   if known(i, id) then
     status[i] = 0  -- known already, or earlier in this call: the first one stands
@@ -111,7 +117,7 @@ for i = 1, n do
   end
 end
 if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
-  return {0, 'full', 0, max_pending}
+  return {0, 'full', shards, max_total}
 end
 if fresh > 0 then
   local memory = over_high_water(incoming)
@@ -137,7 +143,7 @@ end
 local zargs, hargs, sargs, counts = {}, {}, {}, {}
 for i = 1, n do
   if status[i] == 1 then
-    local base = 6 + (i - 1) * 5
+    local base = 7 + (i - 1) * 5
     local id, w = ARGV[base + 1], written(ARGV[base + 2])
     local deadline = tonumber(ARGV[base + 4])
     local expire = deadline > 0 and fmt_int(now + deadline) or '0'

@@ -22,7 +22,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from batchery.batching.messages import check_priority, unknown_class
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import open_queue
 from batchery.batching.keys import check_queue_name
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import text_client
@@ -59,7 +59,7 @@ def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None
         raise ConfigError(f"--retries must be 0 or more, got {retries}")
     priority = check_priority(priority)
     with text_client(conn) as text:
-        classes = RequestQueue(text, queue).settings().class_delays
+        classes = open_queue(text, queue).settings().class_delays
     why = unknown_class(priority, classes)
     if why:
         raise InvalidRequest(f"queue {queue!r}: {why}")
@@ -224,7 +224,7 @@ def cancel(conn: redis.Redis, job_id: str, wait_s: float = 5.0) -> tuple[str, in
 
 def withdraw(conn: redis.Redis, queue: str, job_id: str) -> int:
     """Cancel the job's requests still queued in ``queue``; returns how many."""
-    requests = RequestQueue(conn, queue)
+    requests = open_queue(conn, queue)
     ids = requests.active_ids(f"{job_id}[:#]*", count=WITHDRAW_SCAN)
     removed = 0
     for start in range(0, len(ids), WITHDRAW_SCAN):

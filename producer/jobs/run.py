@@ -26,7 +26,7 @@ from rq.job import Job, JobStatus
 
 from batchery.batching.messages import CANCELLED as CANCELLED_RESULT, DEAD as DEAD_RESULT
 from batchery.batching.messages import OK, Request, Result
-from batchery.batching.queue import RequestQueue
+from batchery.batching.sharded import open_queue
 from batchery import tracing
 from batchery.connection import text_client
 from batchery.errors import InvalidRequest, QueueFull
@@ -72,7 +72,7 @@ class JobRun:
     def __init__(self, job: Job, spec: JobSpec) -> None:
         self.job, self.spec = job, spec
         self.conn = text_client(job.connection)
-        self.queue = RequestQueue(self.conn, spec.queue)
+        self.queue = open_queue(self.conn, spec.queue)
         self.client_id = f"job-{job.id}-{secrets.token_hex(4)}"
         self.replies = ReplyListener(self.queue, self.client_id)
         self.progress = Progress()

@@ -1,0 +1,111 @@
+"""Claiming from a sharded queue (batching/sharded.py): aging holds across shards.
+
+Before each claim the worker reads every shard's head (its most urgent pending rank:
+enqueue ms + class delay) in one pipeline, and claims from the shard whose head ranks
+lowest, with a rank ceiling: the next-lowest head + SHARD_SLACK_MS. lua/claim.lua
+leases nothing ranked above it. So a request is never overtaken by one of its class
+enqueued more than SHARD_SLACK_MS (plus the head read's round trip) after it, on any
+shard. One shard with work: no ceiling, as on a queue of one shard.
+
+Idle, a worker blocks on one shard's wake list at most IDLE_BLOCK_S (rotating over the
+shards from one its id picks, so a fleet spreads), then reads every head again; on a
+single Redis (no Cluster) one BLPOP waits on every shard's list. Worst-case pickup of a
+request enqueued into an idle queue: IDLE_BLOCK_S + a head read + a claim.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from batchery.batching.calls import ClaimReply
+from batchery.batching.keys import shard_of
+from batchery.batching.queue import RequestQueue
+
+# How much later (ms of rank) a request on one shard may be claimed before the head of
+# another: the ceiling's slack, so a claim still fills a batch from its own shard.
+SHARD_SLACK_MS = 50
+IDLE_BLOCK_S = 0.02  # an idle worker's block on one shard's wake list (Cluster)
+# A worker on a queue of one shard reads the shard count this often (a claim on more
+# reads it with every head read): a new count is served within a second.
+LAYOUT_CHECK_S = 1.0
+
+
+class ShardClaims:
+    """The claim side of ShardedQueue (mixed into it)."""
+
+    client: Any
+    cluster: bool
+    first: RequestQueue
+    shards: tuple[RequestQueue, ...]
+    _turn: int | None = None
+    _layout_checked = 0.0
+
+    def _layout(self, n: int) -> None:
+        raise NotImplementedError
+
+    def settings(self) -> Any:
+        raise NotImplementedError
+
+    def _heads(self, shards: Sequence[RequestQueue]) -> tuple[list[tuple[Any, Any]], int]:
+        """(pending head rank, earliest retry ms) per shard, None where empty, and the
+        shard count shard 0 holds now: one pipeline (split per node on a Cluster)."""
+        pipe = self.client.pipeline(transaction=False)
+        for q in shards:
+            pipe.zrange(q.keys.pending, 0, 0, withscores=True)
+            pipe.zrange(q.keys.delayed, 0, 0, withscores=True)
+        pipe.hget(self.first.keys.settings, "shards")
+        replies = pipe.execute()
+        heads = [(p[0][1] if p else None, d[0][1] if d else None)
+                 for p, d in zip(replies[0:-1:2], replies[1:-1:2])]
+        return heads, int(replies[-1] or 1)
+
+    def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
+              lookahead: int, price_estimates: bool = False,
+              counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None) -> ClaimReply:
+        """RequestQueue.claim on the shard with the most urgent head, under the ceiling
+        the other heads set. ``counts`` (a pricing round) go back to their ids' shard."""
+        shards = self.shards
+        if len(shards) == 1:  # one shard: its claim alone, and now and then a look at the count
+            if time.monotonic() >= self._layout_checked + LAYOUT_CHECK_S:
+                self._layout_checked = time.monotonic()
+                self.settings()
+            if len(self.shards) == 1:
+                return self.first.claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
+                                        lookahead, price_estimates, counts, ceiling)
+            shards = self.shards
+        heads, stored = self._heads(shards)
+        if stored != len(shards):  # the shard count changed (on an empty queue)
+            self._layout(stored)
+            shards = self.shards
+            heads, _ = self._heads(shards)
+        ranked = sorted((rank, i) for i, (rank, _) in enumerate(heads) if rank is not None)
+        retries = sorted((due, i) for i, (_, due) in enumerate(heads) if due is not None)
+        if counts:
+            target = shard_of(counts[0][0], len(shards))
+        elif ranked:
+            target = ranked[0][1]
+        else:  # a due retry moves to pending in its claim; else shard 0 says "none"
+            target = retries[0][1] if retries else 0
+        others = [rank for rank, i in ranked if i != target]
+        if ceiling is None and others:
+            ceiling = others[0] + SHARD_SLACK_MS
+        return shards[target].claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
+                                    lookahead, price_estimates, counts, ceiling)
+
+    def head_rank(self) -> float | None:
+        """The rank of the most urgent pending request of any shard."""
+        heads, _ = self._heads(self.shards)
+        return min((rank for rank, _ in heads if rank is not None), default=None)
+
+    def wait_for_work(self, timeout_s: float, spread: str = "") -> None:
+        """Block up to ``timeout_s`` for an enqueue's wake-up signal: on every shard at
+        once on a single Redis, else on one shard (in turn) up to IDLE_BLOCK_S. ``spread``
+        (the worker id) picks the first shard."""
+        shards = self.shards
+        if len(shards) == 1 or not self.cluster:
+            self.client.blpop([q.keys.wake for q in shards], timeout=timeout_s)
+            return
+        turn = shard_of(spread, len(shards)) if self._turn is None else self._turn + 1
+        self._turn = turn % len(shards)
+        shards[self._turn].wait_for_work(min(timeout_s, IDLE_BLOCK_S))

@@ -1,0 +1,272 @@
+"""One logical queue over N shards (`batchery queue config Q --shards N`): real workers,
+real clients, on a single Redis and on a local Redis Cluster (each shard on its own node)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from batchery import AsyncClient, Client
+from batchery.batching.messages import Request
+from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
+from batchery.batching.shard_claim import SHARD_SLACK_MS
+from batchery.batching.sharded import open_queue
+from batchery.errors import QueueFull
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
+from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, write_lines
+from tests.test_cluster import local_cluster, node_of_slot
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    with local_cluster(3, 0) as nodes:
+        yield nodes
+
+
+@dataclass
+class Target:
+    """Where a test runs: a single Redis, or a 3-node Cluster (``--cluster`` everywhere)."""
+
+    url: str
+    cluster: bool
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return ("--cluster",) if self.cluster else ()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def target(request: pytest.FixtureRequest, redis_url: str) -> Target:
+    if request.param == "redis":
+        return Target(redis_url, False)
+    nodes = request.getfixturevalue("cluster")
+    return Target(f"redis://127.0.0.1:{nodes[0].port}/0", True)
+
+
+def configure(url: str, queue: str, *args: str) -> dict:
+    done = run_cli("queue", "config", queue, "--json", *args, redis_url=url)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def ids_on_every_shard(prefix: str, shards: int, per_shard: int) -> list[str]:
+    """Request ids, ``per_shard`` routed to each shard."""
+    found: dict[int, list[str]] = {i: [] for i in range(shards)}
+    n = 0
+    while any(len(v) < per_shard for v in found.values()):
+        request_id = f"{prefix}{n}"
+        n += 1
+        if len(found[shard_of(request_id, shards)]) < per_shard:
+            found[shard_of(request_id, shards)].append(request_id)
+    return [i for group in found.values() for i in group]
+
+
+def test_layout_is_stable_and_spread() -> None:
+    assert shard_tags("embed", 1) == ("embed",)  # one shard: today's {queue}
+    for n in (2, 3, 6, 16):
+        tags = shard_tags("embed", n)
+        assert tags[0] == "embed" and len(set(tags)) == n
+        assert all("~" in t for t in tags[1:])
+        start = tag_slot("embed")
+        # shard i's slot lies in the i-th of n equal ranges from the queue's own slot
+        assert [((tag_slot(t) - start) % 16384) * n // 16384 for t in tags] == list(range(n))
+    assert shard_of("r-1", 3) == shard_of("r-1", 3) and shard_of("r-1", 1) == 0
+    assert {shard_of(f"r{i}", 3) for i in range(30)} == {0, 1, 2}
+
+
+def test_sharded_queue_serves_as_one(redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    settings = configure(redis_url, queue_name, "--shards", "3", "--max-attempts", "1")
+    assert settings["shards"] == 3
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:fails_on_bad",
+                          log=tmp_path / "worker.log")
+    try:
+        with Client(redis_url, queue_name) as client:
+            assert client.queue.n == 3
+            results = client.map([f"v{i}" for i in range(60)], timeout=60)
+            assert [r.output for r in results] == [f"ok:v{i}" for i in range(60)]
+            # idempotent by id: the same id again is known, not run twice
+            once = [Request.validated(id="same-id", input="once")]
+            assert client.queue.enqueue(once) == [True]
+            assert client.queue.enqueue(once) == [False]
+            wait_for(lambda: client.get("same-id"), 30, 0.05, "the result of same-id")
+            bad = [client.enqueue("bad", id=i) for i in ids_on_every_shard("bad-", 3, 2)]
+            assert {h.result(30).status for h in bad} == {"dead"}
+
+        async def served_async() -> list:
+            async with AsyncClient(redis_url, queue_name) as ac:
+                return await ac.map([f"a{i}" for i in range(30)], timeout=60)
+        assert [r.output for r in asyncio.run(served_async())] == [f"ok:a{i}" for i in range(30)]
+
+        queue = open_queue(redis.Redis.from_url(redis_url, decode_responses=True), queue_name)
+        per_shard = [q.stats(workers=False)["totals"].get("enqueued", 0) for q in queue.shards]
+        assert all(n > 0 for n in per_shard) and sum(per_shard) == 60 + 1 + 6 + 30, per_shard
+        stats = json.loads(run_cli("queue", "stats", "--queue", queue_name, "--json",
+                                   redis_url=redis_url).stdout)["queues"][queue_name]
+        assert stats["shards"] == 3 and stats["dead"] == 6 and stats["workers"] == 1
+        assert stats["totals"]["enqueued"] == sum(per_shard)
+        dead = run_cli("queue", "dead", "list", "--queue", queue_name, "--json", redis_url=redis_url)
+        assert sorted(json.loads(line)["id"] for line in dead.stdout.splitlines()) == \
+            sorted(ids_on_every_shard("bad-", 3, 2))
+        purged = run_cli("queue", "dead", "purge", "--all", "--queue", queue_name,
+                         "--json", redis_url=redis_url)
+        assert json.loads(purged.stdout)["purged"] == 6
+
+        # cancel and `request get` find a request on any shard
+        assert run_cli("queue", "pause", queue_name, redis_url=redis_url).returncode == 0
+        with Client(redis_url, queue_name) as client:
+            held = [client.enqueue("wait", id=i) for i in ids_on_every_shard("held-", 3, 1)]
+            cancelled = run_cli("request", "cancel", *(h.id for h in held), "--queue",
+                                queue_name, redis_url=redis_url)
+            assert cancelled.returncode == 0, cancelled.stderr
+            for h in held:
+                got = run_cli("request", "get", h.id, "--queue", queue_name, redis_url=redis_url)
+                assert json.loads(got.stdout)["status"] == "cancelled"
+        assert run_cli("queue", "resume", queue_name, redis_url=redis_url).returncode == 0
+    finally:
+        stop_process(worker)
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_offline_job_on_a_sharded_queue(redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    configure(redis_url, queue_name, "--shards", "3")
+    source = write_lines(tmp_path / "in.jsonl", requests(40))
+    output = tmp_path / "out.jsonl"
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
+    jobs_worker = start_jobs_worker(redis_url, f"jobs-{queue_name}")
+    try:
+        job = submit(redis_url, f"jobs-{queue_name}", queue_name, source, output)
+        watched = run_cli("job", "status", job, "--watch", redis_url=redis_url)
+        assert f"job {job}: finished" in watched.stdout, watched.stderr
+    finally:
+        stop_process(jobs_worker)
+        stop_process(worker)
+    assert sorted(r["custom_id"] for r in read_jsonl(output) if r["status"] == "ok") == \
+        sorted(f"r{i}" for i in range(40))
+
+
+def test_shard_count_changes_only_on_an_empty_queue(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        kept = ids_on_every_shard("k", 3, 1)[1]  # on shard 1 of 3, on shard 0 of 1
+        handle = client.enqueue("x", id=kept)
+        refused = run_cli("queue", "config", queue_name, "--shards", "3", redis_url=redis_url)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert "cannot go from 1 to 3 shard(s) while it holds requests (1 pending)" in refused.stderr
+        assert configure(redis_url, queue_name)["shards"] == 1
+        assert handle.cancel()
+        assert configure(redis_url, queue_name, "--shards", "3")["shards"] == 3
+        # the result written under one shard stays readable under three
+        got = run_cli("request", "get", kept, "--queue", queue_name, redis_url=redis_url)
+        assert json.loads(got.stdout)["status"] == "cancelled"
+        bad = run_cli("queue", "config", queue_name, "--shards", "0", redis_url=redis_url)
+        assert bad.returncode != 0 and "shards must be a number from 1 to 256" in bad.stderr
+
+
+def test_max_pending_holds_per_shard(rconn: redis.Redis, queue_name: str) -> None:
+    queue = open_queue(rconn, queue_name)
+    queue.update_settings(shards=3, max_pending=3)
+    ids = ids_on_every_shard("m", 3, 2)  # two per shard, shard by shard
+    assert queue.enqueue([Request.validated(id=i, input="x") for i in ids[0::2]]) == [True] * 3
+    with pytest.raises(QueueFull, match=r"one of its 3 shards holds its share of max_pending 3 "
+                                        r"\(ceil\(3 / 3\) requests\)"):
+        queue.enqueue([Request.validated(id=ids[1], input="x")])
+    assert queue.stats()["pending"] == 3
+
+
+def test_stale_producer_reroutes(target: Target, queue_name: str, tmp_path: Path) -> None:
+    """A client that enqueued under 1 shard, the queue reconfigured to 3 while empty: the
+    same client's next requests are refused under 1, routed again, and served."""
+    worker = start_worker(target.url, queue_name, *target.flags, "--runner", "tests.runners:echo",
+                          log=tmp_path / "worker.log")
+    try:
+        with Client(target.url, queue_name, cluster=target.cluster) as client:
+            assert client.queue.n == 1
+            assert client.enqueue("before").result(30).output["echo"] == "before"
+            configure(target.url, queue_name, "--shards", "3", *target.flags)
+            assert client.queue.n == 1  # it has not looked since
+            handles = client.enqueue_many({"input": f"after {i}"} for i in range(30))
+            assert client.queue.n == 3  # refused under 1 shard, routed again under 3
+            assert [h.result(30).output["echo"] for h in handles] == [f"after {i}" for i in range(30)]
+            totals = [q.stats(workers=False)["totals"].get("enqueued", 0) for q in client.queue.shards]
+        assert all(n > 0 for n in totals) and sum(totals) == 31, totals
+    finally:
+        stop_process(worker)
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_no_request_overtaken_across_shards(target: Target, queue_name: str, tmp_path: Path) -> None:
+    """Waves ranked a second apart (integer priorities), each spread over 3 shards: one
+    worker, batches of 8, runs every wave before the next, although a batch of one shard
+    would take the next wave's requests of that shard without the rank ceiling."""
+    configure(target.url, queue_name, "--shards", "3", *target.flags)
+    waves = 4
+    with Client(target.url, queue_name, cluster=target.cluster) as client:
+        handles = client.enqueue_many({"input": f"w{wave}-{i}", "priority": wave + 1}
+                                      for wave in range(waves) for i in range(12))
+        worker = start_worker(target.url, queue_name, *target.flags, "--runner", "tests.runners:timed",
+                              "--max-batch-size", "8", "--max-wait-ms", "0",
+                              log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.02")
+        try:
+            results = [h.result(60) for h in handles]
+        finally:
+            stop_process(worker)
+    started: dict[int, list[float]] = {}
+    for r in results:
+        started.setdefault(int(r.output["input"][1:].split("-")[0]), []).append(r.output["start"])
+    assert max(r.batch_size for r in results) > 1
+    for wave in range(waves - 1):  # 1000 ms of rank apart, far above SHARD_SLACK_MS
+        assert max(started[wave]) <= min(started[wave + 1]), wave
+    assert SHARD_SLACK_MS < 1000
+
+
+def queue_on_every_node(nodes: list[RedisServer]) -> str:
+    """A queue name whose 3 shards land on the 3 nodes (one each)."""
+    with redis.Redis(port=nodes[0].port, decode_responses=True) as probe:
+        for i in range(200):
+            name = f"s{i}"
+            if len({node_of_slot(probe, tag_slot(t)) for t in shard_tags(name, 3)}) == 3:
+                return name
+    raise AssertionError("no queue name puts its 3 shards on 3 nodes")
+
+
+def test_sharded_queue_on_a_cluster(cluster: list[RedisServer], tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{cluster[0].port}/0"
+    queue = queue_on_every_node(cluster)
+    done = run_cli("queue", "config", queue, "--shards", "3", "--cluster", "--json", redis_url=url)
+    assert done.returncode == 0, done.stderr
+    worker = start_worker(url, queue, "--cluster", "--runner", "tests.runners:echo",
+                          log=tmp_path / "worker.log")
+    try:
+        with Client(url, queue, cluster=True) as client:
+            results = client.map([f"c{i}" for i in range(60)], timeout=60)
+            assert [r.output["echo"] for r in results] == [f"c{i}" for i in range(60)]
+
+        async def served_async() -> list:
+            async with AsyncClient(url, queue, cluster=True) as ac:
+                return await ac.map([f"a{i}" for i in range(30)], timeout=60)
+        assert [r.output["echo"] for r in asyncio.run(served_async())] == [f"a{i}" for i in range(30)]
+        stats = run_cli("queue", "stats", "--queue", queue, "--cluster", "--json", redis_url=url)
+        seen = json.loads(stats.stdout)["queues"][queue]
+        assert seen["shards"] == 3 and seen["totals"]["enqueued"] == 90 and seen["workers"] == 1
+    finally:
+        stop_process(worker)
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()
+    ports = set()
+    for tag in shard_tags(queue, 3):  # each shard's keys on its own node, and used
+        holders = []
+        for node in cluster:
+            with redis.Redis(port=node.port, decode_responses=True) as local:
+                if local.execute_command("CLUSTER", "COUNTKEYSINSLOT", tag_slot(tag)):
+                    holders.append(node.port)
+                    assert local.hget(Keys(tag).settings, "shards") == "3"
+                    assert int(local.hget(Keys(tag).stats, "enqueued") or 0) > 0
+        assert len(holders) == 1, (tag, holders)
+        ports.add(holders[0])
+    assert len(ports) == 3
