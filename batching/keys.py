@@ -3,7 +3,7 @@
 All keys of one queue shard carry one hash tag so that each Lua script touches a single
 slot and the same code runs on Redis Cluster. Shard 0 of queue Q is tagged ``{Q}`` (a
 queue of one shard is that alone); shard i of N is tagged ``{Q~i}`` or a salted
-``{Q~i.S}`` placed in the i-th of N equal slot ranges (see ``shard_tags``). No key
+``{Q~i.S}`` placed in its own one of N equal slot ranges (see ``shard_tags``). No key
 string literals elsewhere.
 """
 
@@ -41,16 +41,22 @@ def tag_slot(tag: str) -> int:
 @lru_cache(maxsize=256)
 def shard_tags(queue: str, shards: int) -> tuple[str, ...]:
     """The hash tags of a queue's ``shards`` shards. Shard 0 is the queue name itself.
-    Shard i is the first of ``Q~i``, ``Q~i.1``, ``Q~i.2``... whose slot lies in the
-    i-th of ``shards`` equal slot ranges starting at the queue's own slot (mod 16384):
-    masters owning equal contiguous ranges (the usual layout) each get a fair share."""
-    start, tags = tag_slot(queue), [queue]
+
+    Cut the slots into ``shards`` equal ranges from slot 0; shard 0 sits in the range of
+    the queue's own slot, r. Shard i is the first of ``Q~i``, ``Q~i.1``, ``Q~i.2``... whose
+    slot lies in the middle half of range (r + i) mod ``shards``. Masters that own equal
+    contiguous ranges from slot 0 (`redis-cli --cluster create`'s layout) so get an equal
+    share: N = k x masters shards land k on each master (the middle half keeps clear of
+    where a master's range may end a slot off the equal cut)."""
+    home = tag_slot(queue) * shards // REDIS_CLUSTER_HASH_SLOTS
+    tags = [queue]
     for i in range(1, shards):
-        salt = 0
+        wanted, salt = (home + i) % shards, 0
         while True:
             tag = f"{queue}{SHARD_MARK}{i}" + (f".{salt}" if salt else "")
-            offset = (tag_slot(tag) - start) % REDIS_CLUSTER_HASH_SLOTS
-            if offset * shards // REDIS_CLUSTER_HASH_SLOTS == i:
+            place = tag_slot(tag) * shards  # range = place // 16384, where in it = the rest
+            if (place // REDIS_CLUSTER_HASH_SLOTS == wanted
+                    and 0.25 <= place % REDIS_CLUSTER_HASH_SLOTS / REDIS_CLUSTER_HASH_SLOTS < 0.75):
                 break
             salt += 1
         tags.append(tag)

@@ -31,6 +31,7 @@ CHUNK = 1000                  # ids per call where the caller lists many (revive
 # A worker's report outlives its last heartbeat by this many leases: one that died shows
 # as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
 WORKER_INFO_LEASES = 10
+WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua trims it
 OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
 
 
@@ -232,9 +233,16 @@ class RequestQueue:
         head = self.client.zrange(self.keys.pending, 0, 0, withscores=True)
         return head[0][1] if head else None
 
-    def wait_for_work(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` for an enqueue's wake-up signal."""
-        self.client.blpop([self.keys.wake], timeout=timeout_s)
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for an enqueue's wake-up token; True if one came."""
+        return bool(self.client.blpop([self.keys.wake], timeout=timeout_s))
+
+    def wake_again(self) -> None:
+        """Put back a wake-up token taken for nothing (what lua/enqueue.lua pushes)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(self.keys.wake, 1)
+        pipe.ltrim(self.keys.wake, -WAKE_TOKENS, -1)
+        pipe.execute()
 
     def take_reaper_turn(self, worker_id: str, ms: int) -> bool:
         """True for one worker per ``ms``: it reaps this turn (the others skip)."""

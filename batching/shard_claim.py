@@ -7,10 +7,10 @@ leases nothing ranked above it. So a request is never overtaken by one of its cl
 enqueued more than SHARD_SLACK_MS (plus the head read's round trip) after it, on any
 shard. One shard with work: no ceiling, as on a queue of one shard.
 
-Idle, a worker blocks on one shard's wake list at most IDLE_BLOCK_S (rotating over the
-shards from one its id picks, so a fleet spreads), then reads every head again; on a
-single Redis (no Cluster) one BLPOP waits on every shard's list. Worst-case pickup of a
-request enqueued into an idle queue: IDLE_BLOCK_S + a head read + a claim.
+Idle, a worker waits for a wake-up token from any shard: on a single Redis (no Cluster)
+one BLPOP on every shard's list; on a Cluster one blocked thread per shard
+(batching/wake_watch.py). Pickup of a request enqueued into an idle queue: the token's
+push, a head read and a claim, as on a queue of one shard.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, Sequence
 from batchery.batching.calls import ClaimReply
 from batchery.batching.keys import shard_of
 from batchery.batching.queue import RequestQueue
+from batchery.batching.wake_watch import WakeWatch
 
 # How much later (ms of rank) a request on one shard may be claimed before the head of
 # another: the ceiling's slack, so a claim still fills a batch from its own shard.
 SHARD_SLACK_MS = 50
-IDLE_BLOCK_S = 0.02  # an idle worker's block on one shard's wake list (Cluster)
 # A worker on a queue of one shard reads the shard count this often (a claim on more
 # reads it with every head read): a new count is served within a second.
 LAYOUT_CHECK_S = 1.0
@@ -38,7 +38,7 @@ class ShardClaims:
     cluster: bool
     first: RequestQueue
     shards: tuple[RequestQueue, ...]
-    _turn: int | None = None
+    _wake: WakeWatch | None = None
     _layout_checked = 0.0
 
     def _layout(self, n: int) -> None:
@@ -98,14 +98,12 @@ class ShardClaims:
         heads, _ = self._heads(self.shards)
         return min((rank for rank, _ in heads if rank is not None), default=None)
 
-    def wait_for_work(self, timeout_s: float, spread: str = "") -> None:
-        """Block up to ``timeout_s`` for an enqueue's wake-up signal: on every shard at
-        once on a single Redis, else on one shard (in turn) up to IDLE_BLOCK_S. ``spread``
-        (the worker id) picks the first shard."""
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for an enqueue's wake-up token from any shard."""
         shards = self.shards
         if len(shards) == 1 or not self.cluster:
             self.client.blpop([q.keys.wake for q in shards], timeout=timeout_s)
             return
-        turn = shard_of(spread, len(shards)) if self._turn is None else self._turn + 1
-        self._turn = turn % len(shards)
-        shards[self._turn].wait_for_work(min(timeout_s, IDLE_BLOCK_S))
+        if self._wake is None:
+            self._wake = WakeWatch()
+        self._wake.wait(shards, timeout_s)

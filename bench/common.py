@@ -60,7 +60,7 @@ def private_redis(*extra: str) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port)
     try:
-        wait_until(lambda: _pings(client), 15, "redis-server to start")
+        wait_until(lambda: pings(client), 15, "redis-server to start")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         client.close()
@@ -77,7 +77,7 @@ def redis_pid(url: str) -> int:
         client.close()
 
 
-def _pings(client: redis.Redis) -> bool:
+def pings(client: redis.Redis) -> bool:
     try:
         return bool(client.ping())
     except redis.RedisError:

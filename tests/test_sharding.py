@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -75,9 +77,11 @@ def test_layout_is_stable_and_spread() -> None:
         tags = shard_tags("embed", n)
         assert tags[0] == "embed" and len(set(tags)) == n
         assert all("~" in t for t in tags[1:])
-        start = tag_slot("embed")
-        # shard i's slot lies in the i-th of n equal ranges from the queue's own slot
-        assert [((tag_slot(t) - start) % 16384) * n // 16384 for t in tags] == list(range(n))
+        home = tag_slot("embed") * n // 16384
+        # cut the slots in n equal ranges from slot 0: shard i in range (home + i) mod n,
+        # in its middle half (i >= 1)
+        assert [tag_slot(t) * n // 16384 for t in tags] == [(home + i) % n for i in range(n)]
+        assert all(0.25 <= tag_slot(t) * n % 16384 / 16384 < 0.75 for t in tags[1:])
     assert shard_of("r-1", 3) == shard_of("r-1", 3) and shard_of("r-1", 1) == 0
     assert {shard_of(f"r{i}", 3) for i in range(30)} == {0, 1, 2}
 
@@ -226,19 +230,48 @@ def test_no_request_overtaken_across_shards(target: Target, queue_name: str, tmp
     assert SHARD_SLACK_MS < 1000
 
 
-def queue_on_every_node(nodes: list[RedisServer]) -> str:
-    """A queue name whose 3 shards land on the 3 nodes (one each)."""
-    with redis.Redis(port=nodes[0].port, decode_responses=True) as probe:
-        for i in range(200):
-            name = f"s{i}"
-            if len({node_of_slot(probe, tag_slot(t)) for t in shard_tags(name, 3)}) == 3:
-                return name
-    raise AssertionError("no queue name puts its 3 shards on 3 nodes")
+def test_shards_spread_evenly_over_the_masters(cluster: list[RedisServer]) -> None:
+    """Any queue: 3 shards on 3 masters one each, 6 shards two each (the masters own
+    equal slot ranges, as `redis-cli --cluster create` assigns them)."""
+    with redis.Redis(port=cluster[0].port, decode_responses=True) as probe:
+        for name in [f"q{i}" for i in range(40)] + ["embeddings", "a", "Z-9.x"]:
+            for n in (3, 6):
+                nodes = [node_of_slot(probe, tag_slot(t)) for t in shard_tags(name, n)]
+                assert sorted(nodes.count(port) for port in set(nodes)) == [n // 3] * 3, (name, n)
+
+
+def test_idle_worker_wakes_for_any_shard(cluster: list[RedisServer], queue_name: str) -> None:
+    """On a Cluster an idle worker's wait ends as soon as any shard gets a request (one
+    watcher per shard), not at its poll timeout; a token taken while it is busy is put
+    back for another worker."""
+    url = f"redis://127.0.0.1:{cluster[0].port}/0"
+    configure(url, queue_name, "--shards", "3", "--cluster")
+    conn = redis.RedisCluster(host="127.0.0.1", port=cluster[0].port, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    assert _timed(queue.wait_for_work, 1.0) >= 0.9  # nothing to wake for: no polling
+    for i, request_id in enumerate(ids_on_every_shard("w", 3, 1)):
+        woke: list[float] = []
+        waiter = threading.Thread(target=lambda: woke.append(_timed(queue.wait_for_work, 30)))
+        waiter.start()
+        wait_for(lambda: queue._wake.idle.is_set(), 10, 0.01, "the worker to wait")
+        queue.enqueue([Request(id=request_id, input=i)])
+        waiter.join(30)
+        assert woke and woke[0] < 10, (request_id, woke)  # far below the 30 s timeout
+    shard = queue.shard("late")  # its worker is busy: the token goes back to the list
+    queue.enqueue([Request(id="late", input=0)])
+    wait_for(lambda: conn.llen(shard.keys.wake) >= 1, 10, 0.05, "the token put back")
+    conn.close()
+
+
+def _timed(call: object, *args: object) -> float:
+    started = time.monotonic()
+    call(*args)  # type: ignore[operator]
+    return time.monotonic() - started
 
 
 def test_sharded_queue_on_a_cluster(cluster: list[RedisServer], tmp_path: Path) -> None:
     url = f"redis://127.0.0.1:{cluster[0].port}/0"
-    queue = queue_on_every_node(cluster)
+    queue = "spread"  # any name: its 3 shards land one on each master (checked below)
     done = run_cli("queue", "config", queue, "--shards", "3", "--cluster", "--json", redis_url=url)
     assert done.returncode == 0, done.stderr
     worker = start_worker(url, queue, "--cluster", "--runner", "tests.runners:echo",

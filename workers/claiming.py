@@ -180,7 +180,7 @@ class Claimer(threading.Thread):
         if reply.wait_ms > 0 and reply.wait_ms <= o.max_wait_ms:
             self.stop.wait(wait_s)  # the head is being held: claim again when it is due
         else:
-            self.queue.wait_for_work(max(0.01, min(wait_s, o.idle_poll_s)), o.worker_id)
+            self.queue.wait_for_work(max(0.01, min(wait_s, o.idle_poll_s)))
 
     def prepare(self, requests: list[Claimed], claimed_ms: int) -> list[Batch]:
         """Tokenize; if the exact count busts the token budget, split by length to fit."""
