@@ -1,0 +1,73 @@
+"""JSON as batchery writes and reads it: orjson's speed under the json module's rules.
+
+Requests and results cross Redis as compact, strict JSON (no NaN or Infinity, which
+other readers reject) in UTF-8. orjson encodes and decodes them 5-15x faster than the
+json module; where its rules differ, json decides, so what is accepted, refused and read
+back does not depend on which of the two did the work:
+
+- orjson writes NaN and Infinity as null: a value (other than None) whose JSON holds
+  "null" is encoded again by json, which refuses them;
+- orjson refuses what json takes (integers beyond 64 bits, dict keys that are not
+  strings, nesting deeper than 254) and lone surrogates: json encodes those;
+- orjson reads integers beyond 64 bits as floats: text with 19 digits in a row is read
+  by json, and so is text orjson refuses (NaN, 1e400), which json may accept.
+
+Left as it is: orjson also writes uuid.UUID values (as their string) and enum members
+(as their value) where json raises TypeError. Floats are spelled the shortest way
+(0.00001 where json writes 1e-05): the same number to any reader.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+# One encoder for every message: json.dumps with options builds a new one per call.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+# orjson writes dataclasses and datetimes, json refuses them: json's TypeError decides
+_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+_DIGIT_MAP = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))  # digit: "1"
+_LONG_NUMBER = b"1" * 19  # the shortest integer orjson may read as a float
+
+
+def dumps(value: Any) -> str:
+    """Compact strict JSON text (the json module's; for messages off the hot path)."""
+    return _JSON.encode(value)
+
+
+def encode(value: Any, errors: str = "strict") -> bytes:
+    """Compact strict JSON in UTF-8. Raises what json.dumps raises (TypeError for a value
+    JSON cannot hold, ValueError for NaN or Infinity); a lone surrogate in a string
+    raises UnicodeEncodeError (``errors="strict"``) or is written as "?" (``"replace"``,
+    what a Redis connection of batchery does with one)."""
+    try:
+        out = orjson.dumps(value, option=_OPTIONS)
+    except TypeError:
+        return _JSON.encode(value).encode("utf-8", errors)
+    if value is not None and b"null" in out:  # None, or NaN written as null: json decides
+        return _JSON.encode(value).encode("utf-8", errors)
+    return out
+
+
+def encode_message(message: dict[str, Any], value_key: str, errors: str = "strict") -> bytes:
+    """``message`` encoded as :func:`encode` does it, where every field but
+    ``message[value_key]`` is batchery's own (strings, counts, finite floats, None): only
+    that value is checked for NaN and Infinity, and the Nones of the rest cost nothing."""
+    inner = encode(message[value_key], errors)
+    try:
+        return orjson.dumps({**message, value_key: orjson.Fragment(inner)})
+    except TypeError:  # a lone surrogate in one of its own strings
+        return _JSON.encode(message).encode("utf-8", errors)
+
+
+def loads(text: str | bytes) -> Any:
+    """The value of JSON text as json.loads reads it; ValueError when it is not JSON."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if _LONG_NUMBER not in raw.translate(_DIGIT_MAP):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # json may read it (NaN, 1e400, deep nesting), or says why not
+    return json.loads(text)
