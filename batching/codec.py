@@ -55,17 +55,21 @@ def encode_message(message: dict[str, Any], value_key: str, errors: str = "stric
     """``message`` encoded as :func:`encode` does it, where every field but
     ``message[value_key]`` is batchery's own (strings, counts, finite floats, None): only
     that value is checked for NaN and Infinity, and the Nones of the rest cost nothing."""
-    inner = encode(message[value_key], errors)
+    value = message[value_key]
+    message[value_key] = orjson.Fragment(encode(value, errors))
     try:
-        return orjson.dumps({**message, value_key: orjson.Fragment(inner)})
+        return orjson.dumps(message)
     except TypeError:  # a lone surrogate in one of its own strings
+        message[value_key] = value
         return _JSON.encode(message).encode("utf-8", errors)
+    finally:
+        message[value_key] = value
 
 
 def loads(text: str | bytes) -> Any:
     """The value of JSON text as json.loads reads it; ValueError when it is not JSON."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    if _LONG_NUMBER not in raw.translate(_DIGIT_MAP):
+    if len(raw) < len(_LONG_NUMBER) or _LONG_NUMBER not in raw.translate(_DIGIT_MAP):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -47,6 +47,14 @@ class Request:
         return cls(id=request_id, input=input, priority=priority, deadline=deadline,
                    tokens=tokens, meta=meta)
 
+    def alike(self, id: str, input: Any, tokens: int | None) -> "Request":
+        """A request of ``input`` with this checked one's priority, deadline and meta, under
+        ``id`` (valid: one the client made): Client.map's, built without the frozen
+        __init__."""
+        return _frozen(Request, {"id": id, "input": input, "priority": self.priority,
+                                 "deadline": self.deadline, "tokens": tokens, "meta": self.meta,
+                                 "trace": None})
+
     def payload(self) -> bytes:
         """The JSON stored in Redis for the worker: input, meta, and the trace context
         (W3C traceparent) only when the producer traces."""

@@ -319,8 +319,7 @@ class Client:
                     yield (first := self.request({"id": request_id, "input": value,
                                                   "priority": priority, "deadline": deadline}))
                 else:
-                    yield Request(request_id, value, first.priority, first.deadline,
-                                  self.count_tokens(value))
+                    yield first.alike(request_id, value, self.count_tokens(value))
 
         ordered: dict[int, Result] = {}
         for result in self._stream(requests(), max_in_flight, timeout):
