@@ -30,6 +30,7 @@ _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=Fa
 _OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 _DIGIT_MAP = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))  # digit: "1"
 _LONG_NUMBER = b"1" * 19  # the shortest integer orjson may read as a float
+_SCALARS = (type(None), str, int, bool)  # values that cannot hold NaN nor Infinity
 
 
 def dumps(value: Any) -> str:
@@ -56,6 +57,11 @@ def encode_message(message: dict[str, Any], value_key: str, errors: str = "stric
     ``message[value_key]`` is batchery's own (strings, counts, finite floats, None): only
     that value is checked for NaN and Infinity, and the Nones of the rest cost nothing."""
     value = message[value_key]
+    if type(value) in _SCALARS:  # nothing to check: the message as it is
+        try:
+            return orjson.dumps(message)
+        except TypeError:  # a lone surrogate, an integer beyond 64 bits: json's rules
+            return _JSON.encode(message).encode("utf-8", errors)
     message[value_key] = orjson.Fragment(encode(value, errors))
     try:
         return orjson.dumps(message)
