@@ -92,7 +92,11 @@ def observe_all(histogram: Any, values: list[float]) -> None:
     """``histogram.observe(v)`` for each of ``values``, taking the lock of its sum once and
     of each bucket once instead of two per value. prometheus_client has no bulk observe:
     this adds to the ``_sum`` and ``_buckets`` its observe() adds to (the first bucket
-    whose bound is >= the value: bounds end with +Inf)."""
+    whose bound is >= the value: bounds end with +Inf); one by one where those are gone."""
+    if not (hasattr(histogram, "_buckets") and hasattr(histogram, "_upper_bounds")):
+        for value in values:
+            histogram.observe(value)
+        return
     if not values:
         return
     histogram._sum.inc(sum(values))
