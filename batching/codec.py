@@ -28,8 +28,12 @@ import orjson
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 # orjson writes dataclasses and datetimes, json refuses them: json's TypeError decides
 _OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
-_DIGIT_MAP = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))  # digit: "1"
-_LONG_NUMBER = b"1" * 19  # the shortest integer orjson may read as a float
+# digit: "1", ".": ".", anything else "0"; then an integer of 19 digits or more (the
+# shortest orjson may read as a float) is "0" or the start followed by 19 "1"s; a
+# fraction's digits follow a "." (0.0012345678901234567: 19 digits, a float either way)
+_DIGIT_MAP = bytes(0x31 if 0x30 <= c <= 0x39 else c if c == 0x2E else 0x30 for c in range(256))
+_LONG_NUMBER = b"1" * 19
+_LONG_INTEGER = b"0" + _LONG_NUMBER
 _SCALARS = (type(None), str, int, bool)  # values that cannot hold NaN nor Infinity
 
 
@@ -75,9 +79,13 @@ def encode_message(message: dict[str, Any], value_key: str, errors: str = "stric
 def loads(text: str | bytes) -> Any:
     """The value of JSON text as json.loads reads it; ValueError when it is not JSON."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    if len(raw) < len(_LONG_NUMBER) or _LONG_NUMBER not in raw.translate(_DIGIT_MAP):
+    if len(raw) < len(_LONG_NUMBER) or _no_long_integer(raw.translate(_DIGIT_MAP)):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # json may read it (NaN, 1e400, deep nesting), or says why not
     return json.loads(text)
+
+
+def _no_long_integer(mapped: bytes) -> bool:
+    return _LONG_INTEGER not in mapped and not mapped.startswith(_LONG_NUMBER)

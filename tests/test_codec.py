@@ -76,7 +76,9 @@ def test_lone_surrogates_are_refused_or_replaced() -> None:
 
 @pytest.mark.parametrize("text", ['123456789012345678901234567890', '[-9223372036854775809]',
                                   '{"a": 18446744073709551616}', 'NaN', '[1e400]', '"\\ud800"',
-                                  '[' * 300 + ']' * 300, '{"a": 0.00012345678901234567}'])
+                                  '[' * 300 + ']' * 300, '{"a": 0.00012345678901234567}',
+                                  '12345678901234567890', '[0.5,-12345678901234567890.5]',
+                                  '[0.0012345678901234567, 1.5e-7, 12345678901234567890]'])
 def test_text_is_read_as_json_reads_it(text: str) -> None:
     assert same(codec.loads(text), json.loads(text))
     assert same(codec.loads(text.encode()), json.loads(text))
