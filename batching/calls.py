@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import CANCELLED, Claimed, Request, Result, estimate_tokens
+from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, estimate_tokens,
+                                        stored_input)
 from batchery.batching.settings import DEFAULTS
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged
 
@@ -130,7 +131,7 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
     if wait_ms == -2:
         n = (len(reply) - 3) // 2
-        return ClaimReply(now_ms, 0, to_price=[(i, Claimed.decode(i, p, "0:0:0:0::", None, token).input)
+        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
                                                for i, p in zip(reply[3:3 + n], reply[3 + n:])])
     n = (len(reply) - 3) // 4
     ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]

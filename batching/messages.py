@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from batchery.batching.codec import dumps, encode, loads
 from batchery.batching.settings import CLASS_NAME
 from batchery.errors import InvalidRequest
 
@@ -16,15 +16,7 @@ MAX_ID_LENGTH = 512
 MAX_DEADLINE_S = 30 * 86_400
 MAX_TOKENS = 10_000_000
 
-
-# One encoder for every message: json.dumps with options builds a new one per call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 _CONTROL = re.compile(r"[\x00-\x1f]")
-
-
-def dumps(value: Any) -> str:
-    """Compact strict JSON (no NaN/Infinity, which other readers reject)."""
-    return _ENCODER.encode(value)
 
 
 @dataclass(frozen=True)
@@ -55,6 +47,14 @@ class Request:
         return cls(id=request_id, input=input, priority=priority, deadline=deadline,
                    tokens=tokens, meta=meta)
 
+    def alike(self, id: str, input: Any, tokens: int | None) -> "Request":
+        """A request of ``input`` with this checked one's priority, deadline and meta, under
+        ``id`` (valid: one the client made): Client.map's, built without the frozen
+        __init__."""
+        return _frozen(Request, {"id": id, "input": input, "priority": self.priority,
+                                 "deadline": self.deadline, "tokens": tokens, "meta": self.meta,
+                                 "trace": None})
+
     def payload(self) -> bytes:
         """The JSON stored in Redis for the worker: input, meta, and the trace context
         (W3C traceparent) only when the producer traces."""
@@ -62,7 +62,7 @@ class Request:
         if self.trace is not None:
             body["trace"] = self.trace
         try:
-            return dumps(body).encode("utf-8")
+            return encode(body)
         except UnicodeEncodeError:
             raise InvalidRequest(f"request {self.id!r}: input holds text that is not valid "
                                  "Unicode (a lone surrogate); clean or re-encode it") from None
@@ -177,9 +177,9 @@ class Result:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "Result":
-        data = json.loads(raw)
+        data = loads(raw)
         if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
-            return cls(**data)
+            return _frozen(cls, data)
         return cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,13 +193,33 @@ _RESULT_FIELDS = tuple(Result.__dataclass_fields__)
 _RESULT_KEYS = set(_RESULT_FIELDS)
 
 
+def _frozen(cls: type, fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field, no
+    other name), built without its __init__: for messages read by the thousand, where
+    the frozen __init__'s object.__setattr__ per field was a third of the decoding."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
+
+
+def stored_body(payload: str | None) -> tuple[dict[str, Any], str | None]:
+    """A stored request's JSON object, and None; or {} and why it cannot run (missing,
+    not JSON)."""
+    try:
+        body = loads(payload) if payload else None
+    except ValueError as exc:
+        return {}, f"its stored request is not JSON ({exc})"
+    return (body, None) if isinstance(body, dict) else ({}, "its stored request is missing")
+
+
 def stored_trace(payload: str | None) -> Any:
     """The trace context in a stored request's JSON (None: none, or not JSON)."""
-    try:
-        body = json.loads(payload) if payload else None
-    except ValueError:
-        return None
-    return body.get("trace") if isinstance(body, dict) else None
+    return stored_body(payload)[0].get("trace")
+
+
+def stored_input(payload: str | None) -> Any:
+    """The input in a stored request's JSON (None: none, or not JSON)."""
+    return stored_body(payload)[0].get("input")
 
 
 @dataclass(frozen=True)
@@ -224,13 +244,9 @@ class Claimed:
     def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
                token: str) -> "Claimed":
         tokens, expire, enqueued, rank, priority, client = sched.split(":", 5)
-        try:
-            body = json.loads(payload) if payload else None
-            invalid = None if isinstance(body, dict) else "its stored request is missing"
-        except ValueError as exc:
-            body, invalid = None, f"its stored request is not JSON ({exc})"
-        body = body if isinstance(body, dict) else {}
-        return cls(id=id, input=body.get("input"), meta=body.get("meta"), tokens=int(tokens.lstrip("~")),
-                   enqueued_ms=int(enqueued), expire_ms=int(expire), priority=priority,
-                   attempt=int(failures or 0) + 1, lease_token=token, invalid=invalid, rank=int(rank),
-                   client=client, trace=body.get("trace"))
+        body, invalid = stored_body(payload)
+        return _frozen(cls, {
+            "id": id, "input": body.get("input"), "meta": body.get("meta"),
+            "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued), "expire_ms": int(expire),
+            "priority": priority, "attempt": int(failures or 0) + 1, "lease_token": token,
+            "invalid": invalid, "rank": int(rank), "client": client, "trace": body.get("trace")})

@@ -178,7 +178,7 @@ class RequestQueue:
              "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
         return parse_claim(reply, token)
 
-    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
+    def complete(self, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:
         """Commit (id, lease token, result JSON) items; False where the lease was lost.
 
@@ -201,7 +201,7 @@ class RequestQueue:
         ids = [item[0] for item in items]
         return declared_keys(self.keys, ids, self.clients(ids) if clients is None else clients)
 
-    def fail(self, items: Sequence[tuple[str, str, str]],
+    def fail(self, items: Sequence[tuple[str, str, str | bytes]],
              clients: Sequence[str] | None = None) -> list[int]:
         """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost.
 

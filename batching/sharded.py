@@ -269,7 +269,7 @@ class ShardedQueue(ShardClaims):
         return settings
 
     # -- workers (claim, head_rank and wait_for_work: ShardClaims) ----------------------
-    def complete(self, items: Sequence[tuple[str, str, str]], totals: dict[str, int],
+    def complete(self, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:
         """Commit per shard; the batch totals are counted once, on the first."""
         clients = self.clients([i[0] for i in items]) if clients is None else clients
@@ -280,7 +280,7 @@ class ShardedQueue(ShardClaims):
             return q.complete([p[0] for p in part], once, [p[1] for p in part])
         return self._routed(list(zip(items, clients)), commit, lambda pair: pair[0][0])
 
-    def fail(self, items: Sequence[tuple[str, str, str]],
+    def fail(self, items: Sequence[tuple[str, str, str | bytes]],
              clients: Sequence[str] | None = None) -> list[int]:
         clients = self.clients([i[0] for i in items]) if clients is None else clients
         return self._routed(list(zip(items, clients)),

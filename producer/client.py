@@ -238,8 +238,12 @@ class Client:
         Results come in completion order; each carries its request's id. ``timeout``
         bounds the wait for any one result.
         """
+        yield from self._stream(map(self.request, requests), max_in_flight, timeout)
+
+    def _stream(self, source: Iterator[Request], max_in_flight: int,
+                timeout: float | None) -> Iterator[Result]:
+        """``stream`` over requests checked already (each checked as it is drawn)."""
         timeout = check_timeout(timeout)
-        source = iter(requests)
         done: SimpleQueue[Result] = SimpleQueue()  # filled by the reply listener
         waiting: set[str] = set()
         exhausted = False
@@ -247,7 +251,7 @@ class Client:
             while True:
                 while not exhausted and len(waiting) < max_in_flight:
                     room = min(ENQUEUE_CHUNK, max_in_flight - len(waiting))
-                    chunk = [self.request(r) for r in itertools.islice(source, room)]
+                    chunk = list(itertools.islice(source, room))
                     exhausted = not chunk
                     if chunk:
                         ids = [r.id for r in chunk]
@@ -306,13 +310,18 @@ class Client:
         """Run every input and return the results in input order."""
         index: dict[str, int] = {}
 
-        def requests() -> Iterator[dict[str, Any]]:
+        def requests() -> Iterator[Request]:
+            first: Request | None = None  # checked whole; the others share its priority, deadline
             for i, value in enumerate(inputs):
-                request_id = self._new_id()
+                request_id = self._new_id()  # an id of ours: valid as made
                 index[request_id] = i
-                yield {"id": request_id, "input": value, "priority": priority, "deadline": deadline}
+                if first is None:
+                    yield (first := self.request({"id": request_id, "input": value,
+                                                  "priority": priority, "deadline": deadline}))
+                else:
+                    yield first.alike(request_id, value, self.count_tokens(value))
 
         ordered: dict[int, Result] = {}
-        for result in self.stream(requests(), max_in_flight, timeout):
+        for result in self._stream(requests(), max_in_flight, timeout):
             ordered[index[result.id]] = result
         return [ordered[i] for i in range(len(ordered))]

@@ -139,8 +139,7 @@ class Claimer(threading.Thread):
                 *(Outcome(r, error={"type": "InvalidRequest", "message": r.invalid or ""})
                   for r in invalid)]))
         batch = [r for r in reply.batch if not r.invalid]
-        for r in batch:
-            metrics.queue_wait(r.priority).observe(max(0, reply.now_ms - r.enqueued_ms) / 1000)
+        metrics.queue_waits(reply.now_ms, batch)
         return batch, reply
 
     def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int) -> ClaimReply:

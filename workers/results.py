@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import redis
 
-from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK, dumps
+from batchery.batching.codec import encode_message
+from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK
 from batchery.batching.sharded import ShardedQueue
 from batchery.connection import transient
 from batchery.workers import metrics, tracing
@@ -124,7 +125,7 @@ class ResultWriter(threading.Thread):
         tracing.committed(began, ended, final, committed, failed, flags)
 
     def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
-                error: dict[str, str] | None = None) -> tuple[str, str]:
+                error: dict[str, str] | None = None) -> tuple[str, bytes]:
         r = o.request
         status = failed_status if error else EXPIRED if o.expired else OK if o.error is None \
             else failed_status
@@ -134,9 +135,9 @@ class ResultWriter(threading.Thread):
                                 "batch_size": o.batch_size or None,
                                 "queued_ms": max(0, claimed_ms - r.enqueued_ms),
                                 "run_ms": o.run_ms or None}
-        try:
-            return status, dumps(body)
+        try:  # a lone surrogate becomes "?", as the connection would write it
+            return status, encode_message(body, "output", errors="replace")
         except (TypeError, ValueError) as exc:
             body.update(status=ERROR, output=None, error={
                 "type": "OutputNotJSON", "message": f"the runner's output is not JSON: {exc}"})
-            return ERROR, dumps(body)
+            return ERROR, encode_message(body, "output", errors="replace")
