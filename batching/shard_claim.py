@@ -94,9 +94,13 @@ class ShardClaims:
                                     lookahead, price_estimates, counts, ceiling)
 
     def head_rank(self) -> float | None:
-        """The rank of the most urgent pending request of any shard."""
+        """The rank that outranks a claimed or running request (the worker then gives its
+        batch back, or preempts): the most urgent pending head of any shard, plus
+        SHARD_SLACK_MS. A claim takes requests up to that much past another shard's head;
+        without the slack the batch just claimed would be given back for that head."""
         heads, _ = self._heads(self.shards)
-        return min((rank for rank, _ in heads if rank is not None), default=None)
+        head = min((rank for rank, _ in heads if rank is not None), default=None)
+        return None if head is None else head + SHARD_SLACK_MS
 
     def wait_for_work(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for an enqueue's wake-up token from any shard."""

@@ -230,6 +230,30 @@ def test_no_request_overtaken_across_shards(target: Target, queue_name: str, tmp
     assert SHARD_SLACK_MS < 1000
 
 
+def test_batch_claimed_within_the_slack_is_not_given_back(redis_url: str, queue_name: str) -> None:
+    """Two workers read the heads at once and both target shard A; the first leases A's
+    head, the second A's next request, ranked past shard B's head but within its ceiling.
+    head_rank, which a worker gives a claimed batch back by, must not call that batch
+    overtaken (it did: batches went back and forth between the workers, 3 shards cost
+    twice the Redis time of 1 in bench/cluster_scale.py)."""
+    configure(redis_url, queue_name, "--shards", "2", "--class-delay", "late=1",
+              "--class-delay", "later=1.02")
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    ids = ids_on_every_shard("g", 2, 2)
+    on_a, on_b = ids[:2], ids[2:]
+    queue.enqueue([Request(id=on_a[0], input=0, priority="realtime"),
+                   Request(id=on_b[0], input=1, priority="late"),
+                   Request(id=on_a[1], input=2, priority="later")])
+    first = queue.claim("x#1", 1, 10_000, 0, 16)
+    assert [r.id for r in first.batch] == [on_a[0]]
+    b_head = queue.shards[1].head_rank()
+    second = queue.shards[0].claim("y#1", 1, 10_000, 0, 16, ceiling=b_head + SHARD_SLACK_MS)
+    assert [r.id for r in second.batch] == [on_a[1]] and second.batch[0].rank > b_head
+    assert queue.head_rank() >= second.batch[0].rank
+    conn.close()
+
+
 def test_shards_spread_evenly_over_the_masters(cluster: list[RedisServer]) -> None:
     """Any queue: 3 shards on 3 masters one each, 6 shards two each (the masters own
     equal slot ranges, as `redis-cli --cluster create` assigns them)."""
