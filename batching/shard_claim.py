@@ -98,8 +98,10 @@ class ShardClaims:
         batch back, or preempts): the most urgent pending head of any shard, plus
         SHARD_SLACK_MS. A claim takes requests up to that much past another shard's head;
         without the slack the batch just claimed would be given back for that head."""
-        heads, _ = self._heads(self.shards)
-        head = min((rank for rank, _ in heads if rank is not None), default=None)
+        pipe = self.client.pipeline(transaction=False)
+        for q in self.shards:  # pending heads only: a retry in backoff outranks nothing
+            pipe.zrange(q.keys.pending, 0, 0, withscores=True)
+        head = min((found[0][1] for found in pipe.execute() if found), default=None)
         return None if head is None else head + SHARD_SLACK_MS
 
     def wait_for_work(self, timeout_s: float) -> None:
