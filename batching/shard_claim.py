@@ -24,8 +24,10 @@ from batchery.batching.queue import RequestQueue
 from batchery.batching.wake_watch import WakeWatch
 
 # How much later (ms of rank) a request on one shard may be claimed before the head of
-# another: the ceiling's slack, so a claim still fills a batch from its own shard.
-SHARD_SLACK_MS = 50
+# another: the ceiling's slack, so a claim still fills a batch from its own shard (it
+# takes about the shard's arrivals in that time; 50 ms starved 6 shards of a few thousand
+# requests/s each into batches of 37). Small beside the class delays (5 s, 60 s).
+SHARD_SLACK_MS = 250
 # A worker on a queue of one shard reads the shard count this often (a claim on more
 # reads it with every head read): a new count is served within a second.
 LAYOUT_CHECK_S = 1.0
