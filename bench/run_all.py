@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import common, contention, generate, model, priorities, queue_cost, start_order
+from bench import (cluster_scale, common, contention, generate, model, priorities, queue_cost,
+                   start_order)
 
 BENCHMARKS = (("Real model", model), ("Defaults and start order", start_order),
               ("Sharing the cores", contention),
-              ("Queue cost", queue_cost), ("Priorities", priorities), ("Generation", generate))
+              ("Queue cost", queue_cost), ("Past one node", cluster_scale),
+              ("Priorities", priorities), ("Generation", generate))
 
 
 def main() -> None:
