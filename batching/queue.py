@@ -6,7 +6,6 @@ readers it shares with its asyncio twin are batching/calls.py's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -15,24 +14,16 @@ import redis
 from batchery.batching.calls import (ClaimReply, cancel_call, declared_keys, enqueue_call,
                                      lookup_call, memory_full, new_call_id, parse_claim,
                                      parse_clients, parse_enqueue, parse_lookup)
+from batchery.batching.inspection import QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Request, Result, stored_trace
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import DEFAULTS, QueueSettings
 
-# the error `dead list` shows for a dead letter whose dead result was deleted
-RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
-               "written to an offline job's output (see its errors there) or expired; "
-               "`batchery queue dead retry ID` runs it again"}
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
 RETRY_BACKOFF_CAP_MS = 60_000
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
-CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
-# A worker's report outlives its last heartbeat by this many leases: one that died shows
-# as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
-WORKER_INFO_LEASES = 10
 WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua trims it
-OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
 
 
 @dataclass
@@ -43,7 +34,7 @@ class Reaped:
     dead: list[str] = field(default_factory=list)
 
 
-class RequestQueue:
+class RequestQueue(QueueInspection):
     """The Redis protocol of one queue shard, over a synchronous client. Callers open a
     queue with batching/sharded.py's ``open_queue``: one logical queue over its shards."""
 
@@ -303,111 +294,6 @@ class RequestQueue:
 
     def leave(self, worker_id: str) -> None:
         self.client.zrem(self.keys.workers, worker_id)
-
-    def publish_worker(self, worker_id: str, info: dict[str, Any], lease_seconds: float) -> None:
-        """Store what a worker reports at its heartbeat (model, device, counts) for the
-        dashboard, kept WORKER_INFO_LEASES leases past its last beat."""
-        key = self.keys.worker(worker_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, mapping={k: str(v) for k, v in info.items()})
-        pipe.expire(key, max(1, int(WORKER_INFO_LEASES * lease_seconds)))
-        pipe.execute()
-
-    def worker_reports(self) -> tuple[int, list[dict[str, Any]]]:
-        """(now on the Redis clock in ms, workers): each registered worker with its last
-        heartbeat ``seen_ms``, ``live`` (beat within a lease, as `stats` counts) and its
-        report; those stale past their report's expiry are left out."""
-        seconds, micros = self.client.time()
-        now = seconds * 1000 + micros // 1000
-        lease_s = self.client.hget(self.keys.settings, "lease_seconds")
-        live_after = now - 1000 * float(lease_s or DEFAULTS.lease_seconds)
-        registered = self.client.zrange(self.keys.workers, 0, -1, withscores=True)
-        pipe = self.client.pipeline(transaction=False)
-        for worker_id, _ in registered:
-            pipe.hgetall(self.keys.worker(worker_id))
-        found = []
-        for (worker_id, seen), info in zip(registered, pipe.execute() if registered else []):
-            live = seen >= live_after
-            if live or info:
-                found.append({**info, "id": worker_id, "seen_ms": int(seen), "live": live})
-        return now, found
-
-    def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
-        """(now ms, requests looked at, class -> enqueue ms of its oldest pending request)
-        for the classes found among the ``limit`` most urgent (see lua/oldest.lua)."""
-        reply = self.scripts.oldest([self.keys.pending, self.keys.sched], [limit, *classes])
-        pairs = reply[2:]
-        return int(reply[0]), int(reply[1]), {pairs[i]: int(pairs[i + 1])
-                                              for i in range(0, len(pairs), 2)}
-
-    def inputs(self, ids: Sequence[str]) -> list[Any]:
-        """The stored input of each request (None where it is gone): `--show-payloads`."""
-        if not ids:
-            return []
-        raws = self.client.hmget(self.keys.requests, list(ids))
-        return [json.loads(r).get("input") if r else None for r in raws]
-
-    # -- dead letters ------------------------------------------------------------------
-    def dead_entries(self, limit: int = 100) -> list[tuple[str, float]]:
-        """(id, ms it was dead-lettered) of the newest ``limit`` dead letters."""
-        return self.client.zrevrange(self.keys.dead, 0, limit - 1, withscores=True)
-
-    def dead(self, limit: int = 100) -> list[Result]:
-        """Dead-lettered requests, newest first, with their last error."""
-        ids = [i for i, _ in self.dead_entries(limit)]
-        results = self.results(ids)
-        return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
-
-    def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
-        """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""
-        k = self.keys
-        ids = self.client.zrange(k.dead, 0, -1) if everything else list(ids)
-        revived = 0
-        for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
-            chunk = ids[start:start + CHUNK]
-            revived += int(self.scripts.revive(
-                [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
-                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
-        return revived
-
-    def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
-        """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
-        k = self.keys
-        return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
-                                       k.leased, k.history], [int(everything), *ids]))
-
-    # -- observation -------------------------------------------------------------------
-    def held(self) -> dict[str, int]:
-        """What this shard holds: pending, delayed, in flight, dead (one round trip)."""
-        k = self.keys
-        pipe = self.client.pipeline(transaction=False)
-        for key in (k.pending, k.delayed, k.leased, k.dead):
-            pipe.zcard(key)
-        return dict(zip(("pending", "delayed", "inflight", "dead"), pipe.execute()))
-
-    def stats(self, workers: bool = True) -> dict[str, Any]:
-        """Depth by class, in flight, dead letters, live workers (``workers``: counted)
-        and running totals."""
-        k = self.keys
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zcard(k.pending)
-        pipe.zcard(k.delayed)
-        pipe.hgetall(k.depth)
-        pipe.zcard(k.leased)
-        pipe.zcard(k.dead)
-        pipe.hgetall(k.stats)
-        pipe.hget(k.settings, "paused")
-        pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
-        return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
-                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
-                "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
-                "workers": self.live_workers() if workers else 0,
-                "totals": {name: int(n) for name, n in sorted(totals.items())}}
-
-    @staticmethod
-    def known_queues(client: Any) -> list[str]:
-        """Every queue registered on this Redis, sorted (what `batchery queue stats` lists)."""
-        return sorted(client.smembers(QUEUES))
 
     def attach_output(self, request_id: str, token: str, output: Any) -> bool:
         """Put ``output`` into the request's cancelled result, when the cancel found it

@@ -21,7 +21,8 @@ import redis
 
 from batchery.batching.keys import shard_of, shard_tags
 from batchery.batching.messages import Request, Result
-from batchery.batching.queue import RESULT_GONE, Reaped, RequestQueue
+from batchery.batching.inspection import RESULT_GONE
+from batchery.batching.queue import Reaped, RequestQueue
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
 from batchery.batching.shard_claim import ShardClaims

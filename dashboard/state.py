@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from batchery.batching.queue import OLDEST_LOOKAHEAD
+from batchery.batching.inspection import OLDEST_LOOKAHEAD
 from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.connection import RedisSettings

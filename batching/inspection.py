@@ -1,0 +1,144 @@
+"""What a queue shard holds, read for people and dashboards: worker reports, the oldest
+request per class, stored inputs, dead letters (list, retry, purge) and stats.
+
+``QueueInspection`` is part of RequestQueue (batching/queue.py), kept apart so that the
+protocol of producers and workers reads on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from batchery.batching.keys import QUEUES, Keys
+from batchery.batching.messages import Result, stored_input
+from batchery.batching.scripts import Scripts
+from batchery.batching.settings import DEFAULTS
+
+# the error `dead list` shows for a dead letter whose dead result was deleted
+RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
+               "written to an offline job's output (see its errors there) or expired; "
+               "`batchery queue dead retry ID` runs it again"}
+CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
+# A worker's report outlives its last heartbeat by this many leases: one that died shows
+# as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
+WORKER_INFO_LEASES = 10
+OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
+
+
+class QueueInspection:
+    """RequestQueue's reads and dead-letter handling for operators."""
+
+    client: Any
+    keys: Keys
+    scripts: Scripts
+
+    def results(self, ids: Sequence[str]) -> list[Result | None]:
+        raise NotImplementedError
+
+    def live_workers(self, forget_ms: int = 0) -> int:
+        raise NotImplementedError
+
+    def publish_worker(self, worker_id: str, info: dict[str, Any], lease_seconds: float) -> None:
+        """Store what a worker reports at its heartbeat (model, device, counts) for the
+        dashboard, kept WORKER_INFO_LEASES leases past its last beat."""
+        key = self.keys.worker(worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(key, mapping={k: str(v) for k, v in info.items()})
+        pipe.expire(key, max(1, int(WORKER_INFO_LEASES * lease_seconds)))
+        pipe.execute()
+
+    def worker_reports(self) -> tuple[int, list[dict[str, Any]]]:
+        """(now on the Redis clock in ms, workers): each registered worker with its last
+        heartbeat ``seen_ms``, ``live`` (beat within a lease, as `stats` counts) and its
+        report; those stale past their report's expiry are left out."""
+        seconds, micros = self.client.time()
+        now = seconds * 1000 + micros // 1000
+        lease_s = self.client.hget(self.keys.settings, "lease_seconds")
+        live_after = now - 1000 * float(lease_s or DEFAULTS.lease_seconds)
+        registered = self.client.zrange(self.keys.workers, 0, -1, withscores=True)
+        pipe = self.client.pipeline(transaction=False)
+        for worker_id, _ in registered:
+            pipe.hgetall(self.keys.worker(worker_id))
+        found = []
+        for (worker_id, seen), info in zip(registered, pipe.execute() if registered else []):
+            live = seen >= live_after
+            if live or info:
+                found.append({**info, "id": worker_id, "seen_ms": int(seen), "live": live})
+        return now, found
+
+    def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
+        """(now ms, requests looked at, class -> enqueue ms of its oldest pending request)
+        for the classes found among the ``limit`` most urgent (see lua/oldest.lua)."""
+        reply = self.scripts.oldest([self.keys.pending, self.keys.sched], [limit, *classes])
+        pairs = reply[2:]
+        return int(reply[0]), int(reply[1]), {pairs[i]: int(pairs[i + 1])
+                                              for i in range(0, len(pairs), 2)}
+
+    def inputs(self, ids: Sequence[str]) -> list[Any]:
+        """The stored input of each request (None where it is gone): `--show-payloads`."""
+        if not ids:
+            return []
+        raws = self.client.hmget(self.keys.requests, list(ids))
+        return [stored_input(r) for r in raws]
+
+    # -- dead letters ------------------------------------------------------------------
+    def dead_entries(self, limit: int = 100) -> list[tuple[str, float]]:
+        """(id, ms it was dead-lettered) of the newest ``limit`` dead letters."""
+        return self.client.zrevrange(self.keys.dead, 0, limit - 1, withscores=True)
+
+    def dead(self, limit: int = 100) -> list[Result]:
+        """Dead-lettered requests, newest first, with their last error."""
+        ids = [i for i, _ in self.dead_entries(limit)]
+        results = self.results(ids)
+        return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
+
+    def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""
+        k = self.keys
+        ids = self.client.zrange(k.dead, 0, -1) if everything else list(ids)
+        revived = 0
+        for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
+            chunk = ids[start:start + CHUNK]
+            revived += int(self.scripts.revive(
+                [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
+                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+        return revived
+
+    def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
+        """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
+        k = self.keys
+        return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
+                                       k.leased, k.history], [int(everything), *ids]))
+
+    # -- observation -------------------------------------------------------------------
+    def held(self) -> dict[str, int]:
+        """What this shard holds: pending, delayed, in flight, dead (one round trip)."""
+        k = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        for key in (k.pending, k.delayed, k.leased, k.dead):
+            pipe.zcard(key)
+        return dict(zip(("pending", "delayed", "inflight", "dead"), pipe.execute()))
+
+    def stats(self, workers: bool = True) -> dict[str, Any]:
+        """Depth by class, in flight, dead letters, live workers (``workers``: counted)
+        and running totals."""
+        k = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zcard(k.pending)
+        pipe.zcard(k.delayed)
+        pipe.hgetall(k.depth)
+        pipe.zcard(k.leased)
+        pipe.zcard(k.dead)
+        pipe.hgetall(k.stats)
+        pipe.hget(k.settings, "paused")
+        pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
+        return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
+                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
+                "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
+                "workers": self.live_workers() if workers else 0,
+                "totals": {name: int(n) for name, n in sorted(totals.items())}}
+
+    @staticmethod
+    def known_queues(client: Any) -> list[str]:
+        """Every queue registered on this Redis, sorted (what `batchery queue stats` lists)."""
+        return sorted(client.smembers(QUEUES))
