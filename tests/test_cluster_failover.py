@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from batchery import Client
-from batchery.batching.keys import Keys
+from batchery.batching.keys import Keys, shard_tags, tag_slot
 from batchery.errors import RequestLost
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.test_cluster import local_cluster, node_of_slot
@@ -105,6 +105,49 @@ def test_master_killed_mid_run_replica_takes_over(cluster: list[RedisServer], tm
         assert [outcome[h.id] for h in after] == ["ok"] * 50
         assert worker.poll() is None, "the worker died with the master"
         print(f"failover took {failover_s:.1f}s after the kill")
+    finally:
+        code = stop_process(worker)
+    assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_sharded_queue_survives_a_master_failover(cluster: list[RedisServer], tmp_path: Path) -> None:
+    """A queue of 3 shards, one on each master: the master of shard 0 (it also holds the
+    worker registry and the reaper's lock) dies mid-run. Its replica takes over; the
+    worker's head reads, wake-up watchers and the client's reply readers ride through
+    the errors, and every request, on every shard, gets its result."""
+    queue = "sharded-failover"
+    probe = redis.Redis(port=cluster[0].port, decode_responses=True)
+    slot = tag_slot(shard_tags(queue, 3)[0])
+    master_port, replica_port = node_of_slot(probe, slot), replica_of(probe, slot)
+    assert len({node_of_slot(probe, tag_slot(t)) for t in shard_tags(queue, 3)}) == 3
+    probe.close()
+    master = next(n for n in cluster if n.port == master_port)
+    survivor = next(n for n in cluster if n.port not in (master_port, replica_port))
+    url = f"redis://127.0.0.1:{survivor.port}/0"
+    done = run_cli("queue", "config", queue, "--cluster", "--shards", "3", "--lease-seconds", "2",
+                   redis_url=url)
+    assert done.returncode == 0, done.stderr
+    worker = start_worker(url, queue, "--cluster", "--runner", "tests.runners:slow",
+                          "--max-batch-size", "8", "--max-wait-ms", "0",
+                          log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.05")
+    try:
+        with Client(url, queue, cluster=True) as client:
+            before = client.enqueue_many({"input": i} for i in range(300))
+            wait_for(lambda: client.queue.stats()["totals"].get("ok", 0) >= 40, 60,
+                     message="40 results before the failover")
+            master.stop(signal.SIGKILL)
+
+            def promoted() -> bool:
+                with redis.Redis(port=survivor.port, decode_responses=True) as node:
+                    return (node.cluster("info")["cluster_state"] == "ok"
+                            and node_of_slot(node, slot) == replica_port)
+
+            wait_for(promoted, 30, 0.1, "the replica promoted")
+            after = client.enqueue_many({"input": 1000 + i} for i in range(60))
+            results = [handle.result(timeout=90) for handle in before + after]
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+        assert worker.poll() is None, "the worker died with the master"
     finally:
         code = stop_process(worker)
     assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
