@@ -7,6 +7,7 @@ RequestLost, never waited on forever."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -50,6 +51,27 @@ def cut_replication(master_port: int, replica_port: int) -> None:
                  message="the replication link down")
 
 
+def slow_worker(url: str, queue: str, tmp_path: Path) -> subprocess.Popen:
+    """A worker at 50 ms a batch of up to 8: a run of 300 requests lasts a few seconds."""
+    return start_worker(url, queue, "--cluster", "--runner", "tests.runners:slow",
+                        "--max-batch-size", "8", "--max-wait-ms", "0",
+                        log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.05")
+
+
+def enqueue_and_start(client: Client) -> list:
+    """300 requests enqueued; returns their handles once 40 have results."""
+    handles = client.enqueue_many({"input": i} for i in range(300))
+    wait_for(lambda: client.queue.stats()["totals"].get("ok", 0) >= 40, 60,
+             message="40 results before the failover")
+    return handles
+
+
+def promoted(survivor: RedisServer, slot: int, replica_port: int) -> bool:
+    """The cluster is whole again, ``slot`` served by the former replica."""
+    with redis.Redis(port=survivor.port, decode_responses=True) as node:
+        return node.cluster("info")["cluster_state"] == "ok" and node_of_slot(node, slot) == replica_port
+
+
 def test_master_killed_mid_run_replica_takes_over(cluster: list[RedisServer], tmp_path: Path) -> None:
     """300 requests running when the queue's master dies: every one gets its result.
     5 more, acknowledged by the master while its replica was frozen (so never
@@ -65,26 +87,16 @@ def test_master_killed_mid_run_replica_takes_over(cluster: list[RedisServer], tm
     url = f"redis://127.0.0.1:{survivor.port}/0"  # the startup node outlives the failover
     lease = run_cli("queue", "config", queue, "--cluster", "--lease-seconds", "2", redis_url=url)
     assert lease.returncode == 0, lease.stderr
-    worker = start_worker(url, queue, "--cluster", "--runner", "tests.runners:slow",
-                          "--max-batch-size", "8", "--max-wait-ms", "0",
-                          log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.05")
+    worker = slow_worker(url, queue, tmp_path)
     try:
         with Client(url, queue, cluster=True) as client:
-            before = client.enqueue_many({"input": i} for i in range(300))
-            wait_for(lambda: client.queue.stats()["totals"].get("ok", 0) >= 40, 60,
-                     message="40 results before the failover")
+            before = enqueue_and_start(client)
             assert run_cli("queue", "pause", queue, "--cluster", redis_url=url).returncode == 0
             cut_replication(master_port, replica_port)  # what the master takes now stays there
             doomed = client.enqueue_many({"input": 500 + i} for i in range(5))
             master.stop(signal.SIGKILL)
             killed = time.monotonic()
-
-            def promoted() -> bool:
-                with redis.Redis(port=survivor.port, decode_responses=True) as node:
-                    return (node.cluster("info")["cluster_state"] == "ok"
-                            and node_of_slot(node, slot) == replica_port)
-
-            wait_for(promoted, 30, 0.1, "the replica promoted")
+            wait_for(lambda: promoted(survivor, slot, replica_port), 30, 0.1, "the replica promoted")
             failover_s = time.monotonic() - killed
             assert run_cli("queue", "resume", queue, "--cluster", redis_url=url).returncode == 0
             after = client.enqueue_many({"input": 1000 + i} for i in range(50))
@@ -128,22 +140,12 @@ def test_sharded_queue_survives_a_master_failover(cluster: list[RedisServer], tm
     done = run_cli("queue", "config", queue, "--cluster", "--shards", "3", "--lease-seconds", "2",
                    redis_url=url)
     assert done.returncode == 0, done.stderr
-    worker = start_worker(url, queue, "--cluster", "--runner", "tests.runners:slow",
-                          "--max-batch-size", "8", "--max-wait-ms", "0",
-                          log=tmp_path / "worker.log", BATCHERY_TEST_SLEEP="0.05")
+    worker = slow_worker(url, queue, tmp_path)
     try:
         with Client(url, queue, cluster=True) as client:
-            before = client.enqueue_many({"input": i} for i in range(300))
-            wait_for(lambda: client.queue.stats()["totals"].get("ok", 0) >= 40, 60,
-                     message="40 results before the failover")
+            before = enqueue_and_start(client)
             master.stop(signal.SIGKILL)
-
-            def promoted() -> bool:
-                with redis.Redis(port=survivor.port, decode_responses=True) as node:
-                    return (node.cluster("info")["cluster_state"] == "ok"
-                            and node_of_slot(node, slot) == replica_port)
-
-            wait_for(promoted, 30, 0.1, "the replica promoted")
+            wait_for(lambda: promoted(survivor, slot, replica_port), 30, 0.1, "the replica promoted")
             after = client.enqueue_many({"input": 1000 + i} for i in range(60))
             results = [handle.result(timeout=90) for handle in before + after]
         assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
