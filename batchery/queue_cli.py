@@ -65,8 +65,8 @@ def _change(*decls: str, **kwargs: Any) -> Any:
 @_change("--max-input-tokens", type=int, help="Length the workers' model truncates inputs "
          "to; producers cap their counts at it.")
 @_change("--shards", type=int, help=f"Spread the queue over N hash slots (1-{MAX_SHARDS}): on "
-         "a Redis Cluster, N x the masters puts as many shards on each, so one node's core no "
-         "longer caps the queue. Only while the queue is empty (nothing pending, delayed, in "
+         "a Redis Cluster, N a multiple of the masters puts N / masters shards on each, so one "
+         "node's core no longer caps the queue. Only while the queue is empty (nothing pending, delayed, in "
          "flight or dead); max_pending then holds per shard as ceil(max_pending / N).")
 @json_option
 @redis_options
