@@ -25,6 +25,11 @@ WORKER_INFO_LEASES = 10
 OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
 
 
+def dead_results(ids: Sequence[str], results: Sequence[Result | None]) -> list[Result]:
+    """Each dead letter's result; RESULT_GONE where it was deleted."""
+    return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
+
+
 class QueueInspection:
     """RequestQueue's reads and dead-letter handling for operators."""
 
@@ -89,8 +94,7 @@ class QueueInspection:
     def dead(self, limit: int = 100) -> list[Result]:
         """Dead-lettered requests, newest first, with their last error."""
         ids = [i for i, _ in self.dead_entries(limit)]
-        results = self.results(ids)
-        return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
+        return dead_results(ids, self.results(ids))
 
     def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
         """Send the dead requests ``ids`` (``everything``: all of them) back to the queue."""

@@ -21,7 +21,7 @@ import redis
 
 from batchery.batching.keys import shard_of, shard_tags
 from batchery.batching.messages import Request, Result
-from batchery.batching.inspection import RESULT_GONE
+from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results
 from batchery.batching.queue import Reaped, RequestQueue
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
@@ -247,14 +247,19 @@ class ShardedQueue(ShardClaims):
         return next((q for q in self.shards if q.keys.tag == tag), None) or \
             RequestQueue(self.client, self.name, tag, self.scripts)
 
+    def _held(self, tags: Sequence[str]) -> dict[str, int]:
+        """What the shards ``tags`` hold together: pending, delayed, in flight, dead."""
+        held: dict[str, int] = {}
+        for tag in tags:
+            for name, count in self._shard_at(tag).held().items():
+                held[name] = held.get(name, 0) + count
+        return held
+
     def _empty(self, tags: Sequence[str]) -> bool:
-        return all(not any(self._shard_at(t).held().values()) for t in tags)
+        return not any(self._held(tags).values())
 
     def _check_empty(self, shards: int) -> None:
-        held = {name: 0 for name in ("pending", "delayed", "inflight", "dead")}
-        for q in self.shards:
-            for name, count in q.held().items():
-                held[name] += count
+        held = self._held(self.tags())
         if any(held.values()):
             what = ", ".join(f"{n} {name}" for name, n in held.items() if n)
             raise ConfigError(
@@ -350,7 +355,7 @@ class ShardedQueue(ShardClaims):
                 total[c] = total.get(c, 0) + n
         return total
 
-    def oldest(self, classes: Sequence[str], limit: int = 5000) -> tuple[int, int, dict[str, int]]:
+    def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
         now, looked, oldest = 0, 0, {}
         for q in self.shards:
             at, n, found = q.oldest(classes, limit)
@@ -384,8 +389,7 @@ class ShardedQueue(ShardClaims):
         entries = sorted((e for q in self.shards for e in q.dead_entries(limit)),
                          key=lambda e: -e[1])[:limit]
         ids = [i for i, _ in entries]
-        return [r or Result(id=i, status="dead", error=RESULT_GONE)
-                for i, r in zip(ids, self.results(ids))]
+        return dead_results(ids, self.results(ids))
 
     def revive(self, ids: Sequence[str] = (), everything: bool = False) -> int:
         if everything:
