@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from batchery.batching.queue import RequestQueue
 
@@ -47,6 +48,10 @@ class WakeWatch:
             self.idle.clear()
             self.woken.clear()
 
+    def close(self) -> None:
+        """Stop watching: the threads leave within WATCH_BLOCK_S."""
+        self._watched = frozenset()
+
     def _watch(self, shard: RequestQueue) -> None:
         while shard.keys.wake in self._watched:
             if not self.idle.wait(WATCH_BLOCK_S):
@@ -58,5 +63,5 @@ class WakeWatch:
                     self.woken.set()
                 else:  # its worker is busy again: the token is another idle worker's
                     shard.wake_again()
-            except redis.RedisError:  # the node is down or failing over: the claim says so
-                time.sleep(WATCH_BLOCK_S)
+            except (redis.RedisError, RedisClusterException):  # a node down or failing
+                time.sleep(WATCH_BLOCK_S)  # over (or every node): the claim reports it
