@@ -112,9 +112,11 @@ def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path
             assert depth == 60 - 16
             wait_for(lambda: keda_query([scrape(p) for p in ports]) == depth, 20,
                      message=f"the KEDA query to read the depth {depth}")
-            naive = sum(v for p in ports for (n, _), v in scrape(p).items()
-                        if n == "batchery_queue_depth")
-            assert naive == 2 * depth  # why the query takes max across workers, not sum
+            def naive() -> float:  # each worker refreshes its gauge at its own heartbeat
+                return sum(v for p in ports for (n, _), v in scrape(p).items()
+                           if n == "batchery_queue_depth")
+            wait_for(lambda: naive() == 2 * depth, 20, message="both workers to report it")
+            assert naive() == 2 * depth  # why the query takes max across workers, not sum
             gate.unlink()
             wait_for(lambda: client.queue.stats()["pending"] == 0, 60, message="drained")
             wait_for(lambda: keda_query([scrape(p) for p in ports]) == 0, 20,
