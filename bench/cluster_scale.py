@@ -2,11 +2,21 @@
 
 A local cluster of three masters (no replicas, no persistence); for each shard count a
 fresh queue set up with the real CLI (``batchery queue config Q --shards N``), real
-``batchery worker --runner bench.runners:noop`` processes started first, and the real
-``Client.map`` (results delivered to the caller) in this process. It prints aggregate
-requests/s, the CPU each redis-server node spent per request, the client's and the
-workers' CPU per request, and the projected ceiling per node and for 10 and 100 nodes from
-the measured Redis CPU per request.
+``batchery worker --runner bench.runners:noop --cluster`` processes (no other flag unless
+--max-batch-size) and a producer in a child process that cannot import transformers (as
+on the base install: requests priced by estimate), in both start orders:
+
+(a) workers first: the workers registered, then the producer's ``Client.map``; timed
+    from its first enqueue to its last result
+(b) producer first: every request enqueued (``Client.enqueue_many``, handles kept), then
+    the workers started; timed from the first worker's registration to the last result
+    read from the producer's handles
+
+It prints aggregate requests/s, the CPU each redis-server node spent per request (from
+the producer's first enqueue), the producer's CPU per request (its own reading, enqueue
+and collection) and the workers' (from each one's registration: start-up left out), and
+the projected ceiling per node and for 10 and 100 nodes from the measured Redis CPU per
+request of the costlier start order.
 
 ``python -m bench.cluster_scale [--quick] [-n N] [--shards 1,3,6] [--workers W]
 [--max-batch-size B]``
@@ -15,6 +25,7 @@ the measured Redis CPU per request.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -31,7 +42,9 @@ from bench import common
 from bench.queue_cost import IN_FLIGHT
 
 MASTERS = 3
-COLUMNS = [("shards", "shards", "d"), ("requests", "requests", ",d"), ("seconds", "s", ".1f"),
+ORDERS = ("workers first", "producer first")
+CHUNK = 500  # requests per enqueue_many in (b): as many as Client.map sends per call
+COLUMNS = [("shards", "shards", "d"), ("order", "start order", ""), ("requests", "requests", ",d"), ("seconds", "s", ".1f"), ("startup", "workers' start-up s", ".1f"),
            ("rps", "requests/s", ",.0f"), ("batch", "mean batch", ".0f"),
            ("us_redis", "Redis us/req (all nodes)", ".1f"), ("per_node", "per node us/req", ""),
            ("us_client", "client us/req", ".1f"), ("us_worker", "workers us/req", ".1f")]
@@ -75,50 +88,109 @@ def configure(url: str, queue: str, shards: int) -> None:
                    cwd=common.ROOT, stdout=subprocess.DEVNULL, timeout=60)
 
 
-def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int) -> dict[str, Any]:
-    url, queue = f"redis://127.0.0.1:{ports[0]}/0", f"scale{shards}"
+def produce(url: str, queue: str, n: int, order: str) -> None:
+    """The producer, in a child without transformers: says "ready", waits for "go" on
+    stdin, then runs ``order``; prints its CPU seconds from "go" to its last result."""
+    assert "transformers" not in sys.modules or sys.modules["transformers"] is None
+    with Client(url, queue, cluster=True) as client:
+        assert client.count_tokens("x") is None, "this producer must not count exactly"
+        print("ready", flush=True)
+        sys.stdin.readline()
+        cpu = common.cpu_seconds()
+        if order == ORDERS[0]:
+            results = client.map(range(n), max_in_flight=IN_FLIGHT)
+        else:
+            handles = [h for i in range(0, n, CHUNK)
+                       for h in client.enqueue_many({"input": j} for j in range(i, min(n, i + CHUNK)))]
+            print("enqueued", flush=True)
+            results = [h.result() for h in handles]
+        ok = sum(1 for r in results if r.ok)
+        print(json.dumps({"cpu": common.cpu_seconds() - cpu, "ok": ok}), flush=True)
+
+
+def expect(child: subprocess.Popen, line: str) -> None:
+    said = child.stdout.readline().strip()
+    assert said == line, f"the producer said {said!r}, not {line!r}"
+
+
+def registered(client: Client, procs: list[subprocess.Popen]) -> tuple[float, dict[int, float]]:
+    """Wait for every worker to register: (when the first did, each worker's CPU seconds
+    as it did, so that its start-up is left out of its CPU per request)."""
+    first, cpu = [], {}
+
+    def all_in() -> bool:
+        pids = {int(w["id"].rsplit(":", 2)[1]) for w in client.queue.worker_reports()[1]}  # host:pid:hex
+        for p in procs:
+            if p.pid in pids and p.pid not in cpu:
+                cpu[p.pid] = common.cpu_seconds(p.pid)
+                first.append(time.perf_counter())
+        return len(cpu) == len(procs)
+    common.wait_until(all_in, 60, "the workers", interval=0.01)
+    return min(first), cpu
+
+
+def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int,
+        order: str) -> dict[str, Any]:
+    url, queue = f"redis://127.0.0.1:{ports[0]}/0", f"scale{shards}-{time.monotonic_ns()}"
     configure(url, queue, shards)
     flags = ["--runner", "bench.runners:noop", "--cluster"]
     if max_batch_size:
         flags += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", "0"]
-    procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
     nodes = {port: common.redis_pid(f"redis://127.0.0.1:{port}/0") for port in ports}
+    child = common.without_transformers("from bench.cluster_scale import produce; "
+                                        f"produce({url!r}, {queue!r}, {n}, {order!r})")
+    procs: list[subprocess.Popen] = []
     try:
         with Client(url, queue, cluster=True) as client:
-            common.wait_until(lambda: client.queue.stats()["workers"] >= workers, 60, "the workers")
-            before = {"client": common.cpu_seconds(), "worker": sum(common.cpu_seconds(p.pid) for p in procs),
-                      **{port: common.cpu_seconds(pid) for port, pid in nodes.items()}}
+            expect(child, "ready")
+            if order == ORDERS[0]:
+                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
+                launched = time.perf_counter()
+                first, _ = registered(client, procs)
+            redis_cpu = {port: common.cpu_seconds(pid) for port, pid in nodes.items()}
+            worker_cpu = {p.pid: common.cpu_seconds(p.pid) for p in procs}
+            child.stdin.write("go\n")
+            child.stdin.flush()
             started = time.perf_counter()
-            results = client.map(range(n), max_in_flight=IN_FLIGHT)
+            if order == ORDERS[1]:
+                expect(child, "enqueued")
+                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
+                launched = time.perf_counter()
+                first, worker_cpu = registered(client, procs)
+                started = first
+            report = json.loads(child.stdout.readline())
             seconds = time.perf_counter() - started
-            after = {"client": common.cpu_seconds(), "worker": sum(common.cpu_seconds(p.pid) for p in procs),
-                     **{port: common.cpu_seconds(pid) for port, pid in nodes.items()}}
+            redis_us = [1e6 * (common.cpu_seconds(pid) - redis_cpu[port]) / n for port, pid in nodes.items()]
+            worker_us = 1e6 * sum(common.cpu_seconds(p.pid) - worker_cpu[p.pid] for p in procs) / n
             totals = client.queue.stats()["totals"]
     finally:
         common.stop(procs)
-    ok = sum(1 for r in results if r.ok)
-    assert ok == n, f"{ok} of {n} ok"
-    us = {name: 1e6 * (after[name] - before[name]) / n for name in before}
-    per_node = [us[port] for port in ports]
-    return {"shards": shards, "requests": n, "seconds": seconds, "rps": n / seconds,
+        child.kill()
+        child.wait(10)
+    assert report["ok"] == n, f"{report['ok']} of {n} ok"
+    return {"shards": shards, "order": order, "requests": n, "seconds": seconds,
+            "startup": first - launched, "rps": n / seconds,
             "batch": totals.get("ok", n) / max(1, totals.get("batches", 1)),
-            "us_redis": sum(per_node), "per_node": " / ".join(f"{u:.1f}" for u in per_node),
-            "us_client": us["client"], "us_worker": us["worker"], "nodes": per_node}
+            "us_redis": sum(redis_us), "per_node": " / ".join(f"{u:.1f}" for u in redis_us),
+            "us_client": 1e6 * report["cpu"] / n, "us_worker": worker_us, "nodes": redis_us}
 
 
 def projection(rows: list[dict[str, Any]]) -> str:
-    """Ceilings from the measured Redis CPU per request of the run with the most shards:
-    N nodes each carrying 1/N of the requests, a node's one core at 100%."""
-    most = max(rows, key=lambda r: (r["shards"], -r["us_redis"]))
-    per_node = 1e6 / most["us_redis"]
-    python = most["us_client"] + most["us_worker"]
+    """Ceilings from the measured Redis CPU per request of the runs with the most shards,
+    the costlier of them (a figure must hold in either start order): N nodes each carrying
+    1/N of the requests, a node's one core at 100%."""
+    most = [r for r in rows if r["shards"] == max(r["shards"] for r in rows)]
+    costliest = max(most, key=lambda r: r["us_redis"])
+    per_node = 1e6 / costliest["us_redis"]
+    python = max(r["us_client"] + r["us_worker"] for r in most)
     return "\n".join([
-        f"Redis CPU per request, {most['shards']} shards: {most['us_redis']:.1f} us over all nodes",
+        f"Redis CPU per request, {costliest['shards']} shards, {costliest['order']} (the costlier): "
+        f"{costliest['us_redis']:.1f} us over all nodes",
         f"projected ceiling per node (one core at 100%): {per_node:,.0f} requests/s",
         f"projected ceiling, 10 nodes (>= 10 shards): {10 * per_node:,.0f} requests/s",
         f"projected ceiling, 100 nodes (>= 100 shards): {100 * per_node:,.0f} requests/s",
-        f"client + worker CPU per request: {python:.1f} us, so at 10 nodes' ceiling "
-        f"{10 * per_node * python / 1e6:,.0f} cores of producers and workers"])
+        f"client + worker CPU per request (the costlier): {python:.1f} us, so at 10 nodes' "
+        f"ceiling {10 * per_node * python / 1e6:,.0f} cores of producers and workers"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -135,13 +207,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with private_cluster() as ports:
         for _ in range(args.repeat):
             for shards in counts:
-                common.log(f"cluster scale: {shards} shard(s), {n:,} no-op requests ...")
-                rows.append(run(ports, shards, n, args.workers, args.max_batch_size))
+                for order in ORDERS:
+                    common.log(f"cluster scale: {shards} shard(s), {order}, {n:,} no-op requests ...")
+                    rows.append(run(ports, shards, n, args.workers, args.max_batch_size, order))
     text = common.table(rows, COLUMNS) + "\n\n" + projection(rows)
-    targets = [f"{r['shards']} shards: busiest node / quietest {max(r['nodes']) / min(r['nodes']):.2f} "
+    targets = [f"{r['shards']} shards, {r['order']}: busiest node / quietest {max(r['nodes']) / min(r['nodes']):.2f} "
                "(an even spread: 1.0)" for r in rows if r["shards"] >= MASTERS]
-    print(f"\n## Cluster scale: no-op runner, {MASTERS} masters, {args.workers} workers "
-          f"({common.machine()})\n\n{text}\n\n" + "\n".join(targets) + "\n")
+    print(f"\n## Cluster scale: no-op runner, {MASTERS} masters, {args.workers} workers, "
+          f"a producer without transformers (requests priced by estimate) ({common.machine()})"
+          f"\n\n{text}\n\n" + "\n".join(targets) + "\n")
     common.save("cluster_scale", {"machine": common.machine(), "rows": rows, "targets": targets})
     return {"rows": rows, "table": text, "targets": targets}
 

@@ -110,6 +110,18 @@ def start(argv: Sequence[str], threads: int | None = None, **extra: str) -> subp
                             stderr=None)
 
 
+# A producer on the base install: a child process that cannot import transformers.
+NO_TRANSFORMERS = "import sys; sys.modules['transformers'] = None\n"
+
+
+def without_transformers(code: str) -> subprocess.Popen:
+    """``python -c code`` in the repository root, unable to import transformers (so a
+    Client there prices requests by estimate, as on the base install); its stdin and
+    stdout are text pipes to this process."""
+    return subprocess.Popen([sys.executable, "-c", NO_TRANSFORMERS + code], cwd=ROOT, env=env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 def batchery_worker(url: str, queue: str, *args: str, threads: int | None = None,
                     **extra: str) -> subprocess.Popen:
     """A real ``batchery worker`` process (warnings go to the benchmark's stderr)."""

@@ -34,16 +34,12 @@ from bench.model import COLUMNS, best, check, load_model, measure, sorted_loop, 
 
 SWEEP = (8, 16, 32, 64)
 WORKER = ("--task", "embed", "--model", "minilm")  # and nothing else: the defaults
-# Run in a child: a producer on the base install, which cannot import transformers.
-NO_TRANSFORMERS = "import sys; sys.modules['transformers'] = None\n"
 
 
 def producer(url: str, queue: str, n: int, mode: str) -> subprocess.Popen:
-    """``python -m bench.start_order produce ...`` without transformers; prints JSON."""
-    code = NO_TRANSFORMERS + ("from bench.start_order import produce; "
-                              f"produce({url!r}, {queue!r}, {n}, {mode!r})")
-    return subprocess.Popen([sys.executable, "-c", code], cwd=common.ROOT, env=common.env(),
-                            stdout=subprocess.PIPE, text=True)
+    """``produce`` in a child without transformers; prints JSON."""
+    return common.without_transformers("from bench.start_order import produce; "
+                                       f"produce({url!r}, {queue!r}, {n}, {mode!r})")
 
 
 def produce(url: str, queue: str, n: int, mode: str) -> None:
