@@ -144,8 +144,8 @@ def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int
         with Client(url, queue, cluster=True) as client:
             expect(child, "ready")
             if order == ORDERS[0]:
-                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
                 launched = time.perf_counter()
+                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
                 first, _ = registered(client, procs)
             redis_cpu = {port: common.cpu_seconds(pid) for port, pid in nodes.items()}
             worker_cpu = {p.pid: common.cpu_seconds(p.pid) for p in procs}
@@ -154,8 +154,8 @@ def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int
             started = time.perf_counter()
             if order == ORDERS[1]:
                 expect(child, "enqueued")
-                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
                 launched = time.perf_counter()
+                procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
                 first, worker_cpu = registered(client, procs)
                 started = first
             report = json.loads(child.stdout.readline())
