@@ -44,8 +44,9 @@ from bench.queue_cost import IN_FLIGHT
 MASTERS = 3
 ORDERS = ("workers first", "producer first")
 CHUNK = 500  # requests per enqueue_many in (b): as many as Client.map sends per call
-COLUMNS = [("shards", "shards", "d"), ("order", "start order", ""), ("requests", "requests", ",d"), ("seconds", "s", ".1f"), ("startup", "workers' start-up s", ".1f"),
-           ("rps", "requests/s", ",.0f"), ("batch", "mean batch", ".0f"),
+COLUMNS = [("shards", "shards", "d"), ("order", "start order", ""), ("requests", "requests", ",d"),
+           ("seconds", "s", ".1f"), ("startup", "workers' start-up s", ".1f"), ("rps", "requests/s", ",.0f"),
+           ("batch", "mean batch", ".0f"),
            ("us_redis", "Redis us/req (all nodes)", ".1f"), ("per_node", "per node us/req", ""),
            ("us_client", "client us/req", ".1f"), ("us_worker", "workers us/req", ".1f")]
 
@@ -211,8 +212,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     common.log(f"cluster scale: {shards} shard(s), {order}, {n:,} no-op requests ...")
                     rows.append(run(ports, shards, n, args.workers, args.max_batch_size, order))
     text = common.table(rows, COLUMNS) + "\n\n" + projection(rows)
-    targets = [f"{r['shards']} shards, {r['order']}: busiest node / quietest {max(r['nodes']) / min(r['nodes']):.2f} "
-               "(an even spread: 1.0)" for r in rows if r["shards"] >= MASTERS]
+    targets = [f"{r['shards']} shards, {r['order']}: busiest node / quietest "
+               f"{max(r['nodes']) / min(r['nodes']):.2f} (an even spread: 1.0)"
+               for r in rows if r["shards"] >= MASTERS]
     print(f"\n## Cluster scale: no-op runner, {MASTERS} masters, {args.workers} workers, "
           f"a producer without transformers (requests priced by estimate) ({common.machine()})"
           f"\n\n{text}\n\n" + "\n".join(targets) + "\n")
