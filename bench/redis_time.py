@@ -155,10 +155,13 @@ def phases(url: str, n: int) -> dict[str, float]:
                             for c in part], {"requests": len(part)}, [c.client for c in part])
 
     def deliver() -> None:
+        """As the client: pop the replies, delete the results read (delete_delivered)."""
         got, key = 0, queue.keys.reply("bench")
         while got < n:
-            conn.blpop([key], timeout=5)
-            got += 1 + len(conn.lpop(key, 1000) or [])
+            popped = conn.blpop([key], timeout=5)
+            jsons = [popped[1]] + (conn.lpop(key, 1000) or [])
+            queue.forget_results([Result.from_json(j).id for j in jsons])
+            got += len(jsons)
 
     timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench") for lo in range(0, n, 500)])
     claimed = timed("claim", claim_all)

@@ -14,11 +14,12 @@ import argparse
 import time
 
 from bench import (cluster_scale, common, contention, generate, model, priorities, queue_cost,
-                   start_order)
+                   redis_floor, start_order)
 
 BENCHMARKS = (("Real model", model), ("Defaults and start order", start_order),
               ("Sharing the cores", contention),
-              ("Queue cost", queue_cost), ("Past one node", cluster_scale),
+              ("Queue cost", queue_cost), ("Redis time per request", redis_floor),
+              ("Past one node", cluster_scale),
               ("Priorities", priorities), ("Generation", generate))
 
 

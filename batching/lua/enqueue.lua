@@ -87,9 +87,15 @@ local n = (#ARGV - 7) / 5
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 local ids, result_keys = {}, {}
+-- the result keys are KEYS[13..] in ARGV's order (batching/calls.py enqueue_call): taken
+-- as declared, not built again per request; the count and the ends checked
 for i = 1, n do
   ids[i] = ARGV[7 + (i - 1) * 5 + 1]
-  result_keys[i] = result_key(result_prefix, ids[i])
+  result_keys[i] = KEYS[12 + i]
+end
+if #KEYS ~= 12 + n or (n > 0 and (result_keys[1] ~= result_prefix .. ids[1]
+                                  or result_keys[n] ~= result_prefix .. ids[n])) then
+  error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
 end
 local some_results = n > 0 and count_existing(result_keys) > 0
 local held = n > 0 and hmget_chunked(K.requests, ids) or {}
