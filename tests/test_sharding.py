@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from queue import Empty
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,11 @@ from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
 from batchery.batching.shard_claim import SHARD_SLACK_MS
 from batchery.batching.sharded import open_queue
 from batchery.errors import QueueFull
+from batchery.workers.claiming import Claimer
+from batchery.workers.execution import Batch, BatchCap
+from batchery.workers.leases import Leases
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners.custom import CallableRunner
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, write_lines
 from tests.test_cluster import local_cluster, node_of_slot
@@ -251,6 +257,37 @@ def test_batch_claimed_within_the_slack_is_not_given_back(redis_url: str, queue_
     second = queue.shards[0].claim("y#1", 1, 10_000, 0, 16, ceiling=b_head + SHARD_SLACK_MS)
     assert [r.id for r in second.batch] == [on_a[1]] and second.batch[0].rank > b_head
     assert queue.head_rank() >= second.batch[0].rank
+    conn.close()
+
+
+def test_batch_the_model_waited_for_is_not_read_again(redis_url: str, queue_name: str) -> None:
+    """Before it runs a batch claimed ahead the worker reads every shard's head again, to
+    give the batch back for a more urgent request; a batch the model thread was already
+    waiting for runs on its claim's own read, with no command sent."""
+    configure(redis_url, queue_name, "--shards", "2")
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    claimer = Claimer(queue, CallableRunner(lambda inputs: inputs), WorkerOptions(queue=queue_name),
+                      Leases(), BatchCap(1.0), lambda _: None, threading.Event())
+    late, urgent = ids_on_every_shard("f", 2, 1)
+    queue.enqueue([Request(id=late, input=0, priority="batch")])
+    claimed = queue.claim("x#1", 1, 10_000, 0, 16)
+    assert [r.id for r in claimed.batch] == [late]
+    queue.enqueue([Request(id=urgent, input=1, priority="realtime")])  # 60 s more urgent
+    batch = Batch(claimed.batch, claimed.now_ms)
+
+    def reads() -> int:
+        return conn.info("commandstats").get("cmdstat_zrange", {}).get("calls", 0)
+    before = reads()
+    arrives = threading.Timer(0.3, claimer.batches.put, [(batch, True)])
+    arrives.start()  # while the model thread waits in take()
+    assert claimer.take(10) is batch
+    assert reads() == before and queue.stats()["inflight"] == 1
+    claimer.batches.put((batch, True))  # now it waited in the queue: read, and given back
+    with pytest.raises(Empty):
+        claimer.take(0.5)
+    assert reads() > before
+    assert queue.stats()["inflight"] == 0 and queue.stats()["pending"] == 2
     conn.close()
 
 
