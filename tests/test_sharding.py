@@ -260,6 +260,24 @@ def test_batch_claimed_within_the_slack_is_not_given_back(redis_url: str, queue_
     conn.close()
 
 
+def test_retry_on_another_shard_is_claimed_when_due(redis_url: str, queue_name: str) -> None:
+    """Nothing pending anywhere, a retry in backoff on shard 1: the claim goes there (it
+    reads the shards' retry times only when no shard has a pending head)."""
+    configure(redis_url, queue_name, "--shards", "2")
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    request_id = ids_on_every_shard("r", 2, 1)[1]
+    queue.enqueue([Request(id=request_id, input=0)])
+    first = queue.claim("x#1", 1, 10_000, 0, 16)
+    assert queue.fail([(request_id, first.batch[0].lease_token, "{}")]) == [1]  # retried later
+    held = queue.claim("x#2", 1, 10_000, 0, 16)
+    assert not held.batch and 0 < held.wait_ms <= 1000  # shard 1's retry, not shard 0's "none"
+    time.sleep(held.wait_ms / 1000)
+    again = queue.claim("x#3", 1, 10_000, 0, 16)
+    assert [(r.id, r.attempt) for r in again.batch] == [(request_id, 2)]
+    conn.close()
+
+
 def test_batch_the_model_waited_for_is_not_read_again(redis_url: str, queue_name: str) -> None:
     """Before it runs a batch claimed ahead the worker reads every shard's head again, to
     give the batch back for a more urgent request; a batch the model thread was already
