@@ -6,21 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from queue import Empty
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 from typing import Iterator
 
 import pytest
 import redis
 
 from batchery import AsyncClient, Client
+from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.messages import Request
 from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
+from batchery.batching.scripts import source
 from batchery.batching.shard_claim import SHARD_SLACK_MS
 from batchery.batching.sharded import open_queue
-from batchery.errors import QueueFull
+from batchery.connection import RedisSettings
+from batchery.errors import InvalidRequest, QueueFull
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Batch, BatchCap
 from batchery.workers.leases import Leases
@@ -28,6 +31,7 @@ from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.custom import CallableRunner
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, write_lines
+from tests.proxy import FaultyProxy
 from tests.test_cluster import local_cluster, node_of_slot
 
 pytestmark = pytest.mark.slow
@@ -188,6 +192,61 @@ def test_max_pending_holds_per_shard(rconn: redis.Redis, queue_name: str) -> Non
                                         r"\(ceil\(3 / 3\) requests\)"):
         queue.enqueue([Request.validated(id=ids[1], input="x")])
     assert queue.stats()["pending"] == 3
+
+
+def test_enqueue_sends_its_shards_at_once(target: Target, queue_name: str) -> None:
+    """An enqueue over several shards sends their calls at once (one pipeline on a single
+    Redis, threads on a Cluster; the asyncio client: concurrent tasks), and keeps what one
+    call after another gave: a flushed script cache is cured, each shard is all or
+    nothing, the refusal is raised with its message, a stale shard count is routed again."""
+    configure(target.url, queue_name, "--shards", "3", "--max-pending", "9", *target.flags)
+    conn = RedisSettings.from_url(target.url, cluster=target.cluster).client()
+    queue = open_queue(conn, queue_name)
+    ids = ids_on_every_shard("m", 3, 4)  # shard 0's 4, shard 1's 4, shard 2's 4
+    conn.script_flush()  # on a Cluster: every master's
+    assert queue.enqueue([Request(id=i, input="x") for i in ids[0::4]]) == [True] * 3
+    with pytest.raises(InvalidRequest, match=f"request {ids[5]!r}: unknown priority class 'nope'"):
+        queue.enqueue([Request(id=ids[1], input="x"), Request(id=ids[5], input="x", priority="nope"),
+                       Request(id=ids[9], input="x")])
+    assert queue.stats()["pending"] == 5  # shards 0 and 2 took theirs
+
+    async def enqueue_async() -> None:
+        aconn = RedisSettings.from_url(target.url, cluster=target.cluster).async_client()
+        aqueue = await open_async_queue(aconn, queue_name)
+        with pytest.raises(InvalidRequest, match=f"request {ids[10]!r}: unknown priority class"):
+            await aqueue.enqueue([Request(id=ids[10], input="x", priority="nope"),
+                                  Request(id=ids[6], input="x")])
+        await aconn.aclose()
+    asyncio.run(enqueue_async())
+    assert queue.stats()["pending"] == 6  # shard 1 took its one
+    with pytest.raises(QueueFull, match=r"one of its 3 shards holds its share of max_pending 9"):
+        queue.enqueue([Request(id=i, input="x") for i in (ids[2], ids[3], ids[7])])
+    assert queue.is_known(ids[7]) and not queue.is_known(ids[2])  # shard 0 would hold 4 of 3
+    held = [ids[0], ids[1], ids[4], ids[6], ids[7], ids[8], ids[9]]
+    assert queue.stats()["pending"] == 7 and queue.cancel(held) == [1] * 7
+    configure(target.url, queue_name, "--shards", "2", *target.flags)
+    fresh = ids_on_every_shard("n", 3, 2)
+    assert queue.n == 3 and queue.enqueue([Request(id=i, input="x") for i in fresh]) == [True] * 6
+    assert queue.n == 2 and queue.stats()["pending"] == 6
+    conn.close()
+
+
+def test_a_retried_enqueue_pipeline_reports_its_ids_as_accepted(redis_server: RedisServer,
+                                                                 queue_name: str) -> None:
+    """The reply to a 3-shard enqueue's pipeline is lost: the connection sends the pipeline
+    again and each shard's script answers as its first run did (its call key)."""
+    configure(redis_server.url, queue_name, "--shards", "3")
+    proxy = FaultyProxy(redis_server.port)
+    conn = RedisSettings.from_url(proxy.url).client()
+    queue = open_queue(conn, queue_name)
+    conn.script_load(source("enqueue"))  # so the lost reply is the script's, not NOSCRIPT
+    proxy.drop_reply_to(queue.scripts.enqueue.sha.encode())
+    ids = ids_on_every_shard("p", 3, 2)
+    assert queue.enqueue([Request(id=i, input="x") for i in ids]) == [True] * 6
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert [q.stats(workers=False)["totals"]["enqueued"] for q in queue.shards] == [2, 2, 2]
+    conn.close()
+    proxy.close()
 
 
 def test_stale_producer_reroutes(target: Target, queue_name: str, tmp_path: Path) -> None:
