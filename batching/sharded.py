@@ -178,11 +178,13 @@ class ShardedQueue(ShardClaims):
         another: on a single Redis in one pipeline, on a Cluster (whose pipelines refuse
         EVALSHA) from threads. Once every part is answered, the first error (in ``parts``'
         order) is raised: all or nothing holds per shard."""
-        if self.cluster:
+        if self.cluster:  # the first part from this thread, the others from the pool's
             if self._senders is None:
                 self._senders = ThreadPoolExecutor(thread_name_prefix="batchery-enqueue")
-            outcomes = list(self._senders.map(
-                lambda part: outcome(part[0].enqueue, part[1], client_id, n), parts))
+            sent = [self._senders.submit(outcome, q.enqueue, part, client_id, n)
+                    for q, part in parts[1:]]
+            first, part = parts[0]
+            outcomes = [outcome(first.enqueue, part, client_id, n), *(f.result() for f in sent)]
         else:
             pipe = self.client.pipeline(transaction=False)
             readers = [q.enqueue_in(pipe, part, client_id, n) for q, part in parts]
