@@ -5,7 +5,8 @@ enqueue ms + class delay) in one pipeline, and claims from the shard whose head 
 lowest (none pending: the shard whose retry is due first, a second read), with a rank
 ceiling: the next-lowest head + SHARD_SLACK_MS. lua/claim.lua leases nothing ranked
 above it. So a request is never overtaken by one of its class enqueued more than
-SHARD_SLACK_MS (plus the head read's round trip) after it, on any shard. One shard with work: no ceiling, as on a queue of one shard.
+SHARD_SLACK_MS (plus the head read's round trip) after it, on any shard. One shard with
+work: no ceiling, as on a queue of one shard.
 
 Idle, a worker waits for a wake-up token from any shard: on a single Redis (no Cluster)
 one BLPOP on every shard's list; on a Cluster one blocked thread per shard

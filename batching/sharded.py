@@ -7,11 +7,11 @@ the tag ``keys.shard_tags`` gives it. A request lives on the shard of its id
 (``shard_of``: CRC32 of the id mod N), so a retried enqueue of an id meets its first one.
 
 ``ShardedQueue`` has RequestQueue's interface. Calls keyed by id go to their ids'
-shards (one call per shard, replies back in the caller's order; an enqueue's calls sent
-at once); aggregates read every
-shard; the worker registry, heartbeat reports and the reaper lock live on shard 0. With
-one shard the id-keyed calls are shard 0's own methods: no cost added. Claiming across
-shards (the aging rule kept within SHARD_SLACK_MS) is batching/shard_claim.py's.
+shards (one call per shard, replies back in the caller's order; an enqueue's calls go
+out at once); aggregates read every shard; the worker registry, heartbeat reports and
+the reaper lock live on shard 0. With one shard the id-keyed calls are shard 0's own
+methods: no cost added. Claiming across shards (the aging rule kept within
+SHARD_SLACK_MS) is batching/shard_claim.py's.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ class ShardedQueue(ShardClaims):
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
         """Accept requests, all or nothing per shard (one script call per shard their ids
-        fall on, sent at once); a shard count changed since this queue read it is read again and the
-        requests re-routed. Raises what RequestQueue.enqueue raises."""
+        fall on, sent at once); a shard count changed since this queue read it is read
+        again and the requests re-routed. Raises what RequestQueue.enqueue raises."""
         for attempt in range(RELAYOUT_TRIES):
             shards = self.shards
             try:

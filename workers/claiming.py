@@ -52,12 +52,12 @@ class Claimer(threading.Thread):
         gets DRAINED.
         """
         while True:
-            waited = self.batches.empty()  # so the batch it gets did not wait behind a run
+            idle = self.batches.empty()  # the model waits: the batch it gets did not wait
             batch, frees_slot = self.batches.get(timeout=timeout)
             if batch is DRAINED:
                 self.batches.put((DRAINED, False))  # every model thread that asks sees it
                 return DRAINED
-            given_back = not waited and self._give_back_if_overtaken(batch)
+            given_back = not idle and self._give_back_if_overtaken(batch)
             if frees_slot:
                 self.slots.release()
             if not given_back:
