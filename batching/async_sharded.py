@@ -7,6 +7,7 @@ again and the requests re-routed.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
 from batchery.batching.async_queue import AsyncRequestQueue
@@ -78,10 +79,15 @@ class AsyncShardedQueue:
                 for listener in self.route_listeners:
                     listener([shards[i].keys.tag for i in groups])
             flags = [False] * len(requests)
+            sends = [shards[i].enqueue([requests[p] for p in positions], client_id, len(shards))
+                     for i, positions in groups.items()]
+            # at once; once all are answered, the first error (as ShardedQueue.enqueue)
+            replies = [await sends[0]] if len(sends) == 1 else \
+                await asyncio.gather(*sends, return_exceptions=True)
             try:
-                for i, positions in groups.items():
-                    accepted = await shards[i].enqueue([requests[p] for p in positions],
-                                                       client_id, len(shards))
+                for positions, accepted in zip(groups.values(), replies):
+                    if isinstance(accepted, BaseException):
+                        raise accepted
                     for p, flag in zip(positions, accepted):
                         flags[p] = flag
                 return flags

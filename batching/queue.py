@@ -7,7 +7,7 @@ readers it shares with its asyncio twin are batching/calls.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import redis
 
@@ -17,7 +17,7 @@ from batchery.batching.calls import (ClaimReply, cancel_call, declared_keys, enq
 from batchery.batching.inspection import QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Request, Result, stored_trace
-from batchery.batching.scripts import Scripts
+from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import DEFAULTS, QueueSettings
 
 RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
@@ -67,6 +67,23 @@ class RequestQueue(QueueInspection):
         except redis.OutOfMemoryError as exc:
             raise memory_full(exc) from None
         return parse_enqueue(reply, requests)
+
+    def enqueue_in(self, pipe: Any, requests: Sequence[Request], client_id: str = "",
+                   shards: int = 1) -> Callable[[Any], list[bool]]:
+        """``enqueue``'s script call, added to the pipeline ``pipe`` (run with
+        ``raise_on_error=False``); returns what reads its reply, as ``enqueue`` would
+        return or raise. A script the server lost (NOSCRIPT) is loaded and run then."""
+        call = enqueue_call(self.keys, requests, client_id, shards)
+        pipe.evalsha(self.scripts.enqueue.sha, len(call.keys), *call.keys, *call.args)
+
+        def read(reply: Any) -> list[bool]:
+            if isinstance(reply, redis.exceptions.NoScriptError):  # it did not run
+                return self.enqueue(requests, client_id, shards)
+            if isinstance(reply, redis.ResponseError):
+                error = refined(reply)
+                raise (memory_full(error) if isinstance(error, redis.OutOfMemoryError) else error)
+            return parse_enqueue(reply, requests)
+        return read
 
     def cancel(self, ids: Sequence[str]) -> list[int]:
         """1: cancelled while queued, 2: while running (output discarded), 3: cancelled

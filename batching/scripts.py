@@ -55,7 +55,7 @@ def _same_errors(script: Any) -> Any:
             try:
                 return await script(keys, args)
             except redis.ResponseError as exc:
-                raise _refined(exc) from None
+                raise refined(exc) from None
         call_async.sha = script.sha  # type: ignore[attr-defined]
         return call_async
 
@@ -63,12 +63,13 @@ def _same_errors(script: Any) -> Any:
         try:
             return script(keys, args)
         except redis.ResponseError as exc:
-            raise _refined(exc) from None
+            raise refined(exc) from None
     call.sha = script.sha  # type: ignore[attr-defined]
     return call
 
 
-def _refined(exc: redis.ResponseError) -> redis.ResponseError:
+def refined(exc: redis.ResponseError) -> redis.ResponseError:
+    """``exc``, as OutOfMemoryError where it is a write refused for memory."""
     if not isinstance(exc, redis.OutOfMemoryError) and "-OOM command not allowed" in str(exc):
         return redis.OutOfMemoryError(str(exc))
     return exc

@@ -2,10 +2,11 @@
 
 Before each claim the worker reads every shard's head (its most urgent pending rank:
 enqueue ms + class delay) in one pipeline, and claims from the shard whose head ranks
-lowest, with a rank ceiling: the next-lowest head + SHARD_SLACK_MS. lua/claim.lua
-leases nothing ranked above it. So a request is never overtaken by one of its class
-enqueued more than SHARD_SLACK_MS (plus the head read's round trip) after it, on any
-shard. One shard with work: no ceiling, as on a queue of one shard.
+lowest (none pending: the shard whose retry is due first, a second read), with a rank
+ceiling: the next-lowest head + SHARD_SLACK_MS. lua/claim.lua leases nothing ranked
+above it. So a request is never overtaken by one of its class enqueued more than
+SHARD_SLACK_MS (plus the head read's round trip) after it, on any shard. One shard with
+work: no ceiling, as on a queue of one shard.
 
 Idle, a worker waits for a wake-up token from any shard: on a single Redis (no Cluster)
 one BLPOP on every shard's list; on a Cluster one blocked thread per shard
@@ -49,18 +50,19 @@ class ShardClaims:
     def settings(self) -> Any:
         raise NotImplementedError
 
-    def _heads(self, shards: Sequence[RequestQueue]) -> tuple[list[tuple[Any, Any]], int]:
-        """(pending head rank, earliest retry ms) per shard, None where empty, and the
-        shard count shard 0 holds now: one pipeline (split per node on a Cluster)."""
+    def _heads(self, shards: Sequence[RequestQueue], zset: str = "pending",
+               count: bool = True) -> tuple[list[float | None], int]:
+        """Each shard's head score in ``zset`` (pending: rank; delayed: retry ms), None
+        where empty, and with ``count`` the shard count shard 0 holds now (else 0): one
+        pipeline (split per node on a Cluster)."""
         pipe = self.client.pipeline(transaction=False)
         for q in shards:
-            pipe.zrange(q.keys.pending, 0, 0, withscores=True)
-            pipe.zrange(q.keys.delayed, 0, 0, withscores=True)
-        pipe.hget(self.first.keys.settings, "shards")
+            pipe.zrange(getattr(q.keys, zset), 0, 0, withscores=True)
+        if count:
+            pipe.hget(self.first.keys.settings, "shards")
         replies = pipe.execute()
-        heads = [(p[0][1] if p else None, d[0][1] if d else None)
-                 for p, d in zip(replies[0:-1:2], replies[1:-1:2])]
-        return heads, int(replies[-1] or 1)
+        heads = [r[0][1] if r else None for r in replies[:len(shards)]]
+        return heads, int(replies[-1] or 1) if count else 0
 
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
               lookahead: int, price_estimates: bool = False,
@@ -81,13 +83,14 @@ class ShardClaims:
             self._layout(stored)
             shards = self.shards
             heads, _ = self._heads(shards)
-        ranked = sorted((rank, i) for i, (rank, _) in enumerate(heads) if rank is not None)
-        retries = sorted((due, i) for i, (_, due) in enumerate(heads) if due is not None)
+        ranked = sorted((rank, i) for i, rank in enumerate(heads) if rank is not None)
         if counts:
             target = shard_of(counts[0][0], len(shards))
         elif ranked:
             target = ranked[0][1]
         else:  # a due retry moves to pending in its claim; else shard 0 says "none"
+            due, _ = self._heads(shards, "delayed", count=False)
+            retries = sorted((at, i) for i, at in enumerate(due) if at is not None)
             target = retries[0][1] if retries else 0
         others = [rank for rank, i in ranked if i != target]
         if ceiling is None and others:
@@ -100,10 +103,8 @@ class ShardClaims:
         batch back, or preempts): the most urgent pending head of any shard, plus
         SHARD_SLACK_MS. A claim takes requests up to that much past another shard's head;
         without the slack the batch just claimed would be given back for that head."""
-        pipe = self.client.pipeline(transaction=False)
-        for q in self.shards:  # pending heads only: a retry in backoff outranks nothing
-            pipe.zrange(q.keys.pending, 0, 0, withscores=True)
-        head = min((found[0][1] for found in pipe.execute() if found), default=None)
+        heads, _ = self._heads(self.shards, count=False)  # a retry in backoff outranks nothing
+        head = min((rank for rank in heads if rank is not None), default=None)
         return None if head is None else head + SHARD_SLACK_MS
 
     def wait_for_work(self, timeout_s: float) -> None:

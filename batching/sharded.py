@@ -7,14 +7,16 @@ the tag ``keys.shard_tags`` gives it. A request lives on the shard of its id
 (``shard_of``: CRC32 of the id mod N), so a retried enqueue of an id meets its first one.
 
 ``ShardedQueue`` has RequestQueue's interface. Calls keyed by id go to their ids'
-shards (one call per shard, replies back in the caller's order); aggregates read every
-shard; the worker registry, heartbeat reports and the reaper lock live on shard 0. With
-one shard the id-keyed calls are shard 0's own methods: no cost added. Claiming across
-shards (the aging rule kept within SHARD_SLACK_MS) is batching/shard_claim.py's.
+shards (one call per shard, replies back in the caller's order; an enqueue's calls go
+out at once); aggregates read every shard; the worker registry, heartbeat reports and
+the reaper lock live on shard 0. With one shard the id-keyed calls are shard 0's own
+methods: no cost added. Claiming across shards (the aging rule kept within
+SHARD_SLACK_MS) is batching/shard_claim.py's.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import redis
@@ -53,6 +55,14 @@ def first_field(item: Any) -> str:
     return item[0]
 
 
+def outcome(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or the exception it raised."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        return exc
+
+
 def open_queue(client: Any, name: str) -> "ShardedQueue":
     """The queue ``name`` over its shards, as its settings say (read at its first call)."""
     return ShardedQueue(client, name)
@@ -69,6 +79,7 @@ class ShardedQueue(ShardClaims):
         self.cluster = is_cluster(client)
         self._shards: tuple[RequestQueue, ...] = ()  # () until the settings are read
         self.route_listeners: list[Callable[[Sequence[str]], None]] = []
+        self._senders: ThreadPoolExecutor | None = None  # a multi-shard enqueue's, on a Cluster
 
     @property
     def shards(self) -> tuple[RequestQueue, ...]:  # type: ignore[override]
@@ -129,8 +140,8 @@ class ShardedQueue(ShardClaims):
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
         """Accept requests, all or nothing per shard (one script call per shard their ids
-        fall on); a shard count changed since this queue read it is read again and the
-        requests re-routed. Raises what RequestQueue.enqueue raises."""
+        fall on, sent at once); a shard count changed since this queue read it is read
+        again and the requests re-routed. Raises what RequestQueue.enqueue raises."""
         for attempt in range(RELAYOUT_TRIES):
             shards = self.shards
             try:
@@ -154,12 +165,35 @@ class ShardedQueue(ShardClaims):
         if client_id:
             for listener in self.route_listeners:
                 listener([shards[i].keys.tag for i in groups])
+        parts = [(shards[i], [requests[p] for p in positions]) for i, positions in groups.items()]
         flags = [False] * len(requests)
-        for i, positions in groups.items():
-            accepted = shards[i].enqueue([requests[p] for p in positions], client_id, n)
+        for positions, accepted in zip(groups.values(), self._enqueue_parts(parts, client_id, n)):
             for p, flag in zip(positions, accepted):
                 flags[p] = flag
         return flags
+
+    def _enqueue_parts(self, parts: list[tuple[RequestQueue, list[Request]]], client_id: str,
+                       n: int) -> list[list[bool]]:
+        """Each shard's enqueue of its part, all sent at once rather than one shard after
+        another: on a single Redis in one pipeline, on a Cluster (whose pipelines refuse
+        EVALSHA) from threads. Once every part is answered, the first error (in ``parts``'
+        order) is raised: all or nothing holds per shard."""
+        if self.cluster:  # the first part from this thread, the others from the pool's
+            if self._senders is None:
+                self._senders = ThreadPoolExecutor(thread_name_prefix="batchery-enqueue")
+            sent = [self._senders.submit(outcome, q.enqueue, part, client_id, n)
+                    for q, part in parts[1:]]
+            first, part = parts[0]
+            outcomes = [outcome(first.enqueue, part, client_id, n), *(f.result() for f in sent)]
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            readers = [q.enqueue_in(pipe, part, client_id, n) for q, part in parts]
+            outcomes = [outcome(read, reply)
+                        for read, reply in zip(readers, pipe.execute(raise_on_error=False))]
+        for result in outcomes:
+            if isinstance(result, Exception):
+                raise result
+        return outcomes
 
     def cancel(self, ids: Sequence[str]) -> list[int]:
         return self._routed(ids, RequestQueue.cancel)

@@ -9,19 +9,29 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 from typing import Iterator
 
 import pytest
 import redis
 
 from batchery import AsyncClient, Client
+from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.messages import Request
 from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
+from batchery.batching.scripts import source
 from batchery.batching.shard_claim import SHARD_SLACK_MS
 from batchery.batching.sharded import open_queue
-from batchery.errors import QueueFull
+from batchery.connection import RedisSettings
+from batchery.errors import InvalidRequest, QueueFull
+from batchery.workers.claiming import Claimer
+from batchery.workers.execution import Batch, BatchCap
+from batchery.workers.leases import Leases
+from batchery.workers.options import WorkerOptions
+from batchery.workers.runners.custom import CallableRunner
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import read_jsonl, requests, start_jobs_worker, submit, write_lines
+from tests.proxy import FaultyProxy
 from tests.test_cluster import local_cluster, node_of_slot
 
 pytestmark = pytest.mark.slow
@@ -184,6 +194,61 @@ def test_max_pending_holds_per_shard(rconn: redis.Redis, queue_name: str) -> Non
     assert queue.stats()["pending"] == 3
 
 
+def test_enqueue_sends_its_shards_at_once(target: Target, queue_name: str) -> None:
+    """An enqueue over several shards sends their calls at once (one pipeline on a single
+    Redis, threads on a Cluster; the asyncio client: concurrent tasks), and keeps what one
+    call after another gave: a flushed script cache is cured, each shard is all or
+    nothing, the refusal is raised with its message, a stale shard count is routed again."""
+    configure(target.url, queue_name, "--shards", "3", "--max-pending", "9", *target.flags)
+    conn = RedisSettings.from_url(target.url, cluster=target.cluster).client()
+    queue = open_queue(conn, queue_name)
+    ids = ids_on_every_shard("m", 3, 4)  # shard 0's 4, shard 1's 4, shard 2's 4
+    conn.script_flush()  # on a Cluster: every master's
+    assert queue.enqueue([Request(id=i, input="x") for i in ids[0::4]]) == [True] * 3
+    with pytest.raises(InvalidRequest, match=f"request {ids[5]!r}: unknown priority class 'nope'"):
+        queue.enqueue([Request(id=ids[1], input="x"), Request(id=ids[5], input="x", priority="nope"),
+                       Request(id=ids[9], input="x")])
+    assert queue.stats()["pending"] == 5  # shards 0 and 2 took theirs
+
+    async def enqueue_async() -> None:
+        aconn = RedisSettings.from_url(target.url, cluster=target.cluster).async_client()
+        aqueue = await open_async_queue(aconn, queue_name)
+        with pytest.raises(InvalidRequest, match=f"request {ids[10]!r}: unknown priority class"):
+            await aqueue.enqueue([Request(id=ids[10], input="x", priority="nope"),
+                                  Request(id=ids[6], input="x")])
+        await aconn.aclose()
+    asyncio.run(enqueue_async())
+    assert queue.stats()["pending"] == 6  # shard 1 took its one
+    with pytest.raises(QueueFull, match=r"one of its 3 shards holds its share of max_pending 9"):
+        queue.enqueue([Request(id=i, input="x") for i in (ids[2], ids[3], ids[7])])
+    assert queue.is_known(ids[7]) and not queue.is_known(ids[2])  # shard 0 would hold 4 of 3
+    held = [ids[0], ids[1], ids[4], ids[6], ids[7], ids[8], ids[9]]
+    assert queue.stats()["pending"] == 7 and queue.cancel(held) == [1] * 7
+    configure(target.url, queue_name, "--shards", "2", *target.flags)
+    fresh = ids_on_every_shard("n", 3, 2)
+    assert queue.n == 3 and queue.enqueue([Request(id=i, input="x") for i in fresh]) == [True] * 6
+    assert queue.n == 2 and queue.stats()["pending"] == 6
+    conn.close()
+
+
+def test_a_retried_enqueue_pipeline_reports_its_ids_as_accepted(redis_server: RedisServer,
+                                                                 queue_name: str) -> None:
+    """The reply to a 3-shard enqueue's pipeline is lost: the connection sends the pipeline
+    again and each shard's script answers as its first run did (its call key)."""
+    configure(redis_server.url, queue_name, "--shards", "3")
+    proxy = FaultyProxy(redis_server.port)
+    conn = RedisSettings.from_url(proxy.url).client()
+    queue = open_queue(conn, queue_name)
+    conn.script_load(source("enqueue"))  # so the lost reply is the script's, not NOSCRIPT
+    proxy.drop_reply_to(queue.scripts.enqueue.sha.encode())
+    ids = ids_on_every_shard("p", 3, 2)
+    assert queue.enqueue([Request(id=i, input="x") for i in ids]) == [True] * 6
+    assert proxy.faults["replies dropped on purpose"] == 1
+    assert [q.stats(workers=False)["totals"]["enqueued"] for q in queue.shards] == [2, 2, 2]
+    conn.close()
+    proxy.close()
+
+
 def test_stale_producer_reroutes(target: Target, queue_name: str, tmp_path: Path) -> None:
     """A client that enqueued under 1 shard, the queue reconfigured to 3 while empty: the
     same client's next requests are refused under 1, routed again, and served."""
@@ -251,6 +316,55 @@ def test_batch_claimed_within_the_slack_is_not_given_back(redis_url: str, queue_
     second = queue.shards[0].claim("y#1", 1, 10_000, 0, 16, ceiling=b_head + SHARD_SLACK_MS)
     assert [r.id for r in second.batch] == [on_a[1]] and second.batch[0].rank > b_head
     assert queue.head_rank() >= second.batch[0].rank
+    conn.close()
+
+
+def test_retry_on_another_shard_is_claimed_when_due(redis_url: str, queue_name: str) -> None:
+    """Nothing pending anywhere, a retry in backoff on shard 1: the claim goes there (it
+    reads the shards' retry times only when no shard has a pending head)."""
+    configure(redis_url, queue_name, "--shards", "2")
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    request_id = ids_on_every_shard("r", 2, 1)[1]
+    queue.enqueue([Request(id=request_id, input=0)])
+    first = queue.claim("x#1", 1, 10_000, 0, 16)
+    assert queue.fail([(request_id, first.batch[0].lease_token, "{}")]) == [1]  # retried later
+    held = queue.claim("x#2", 1, 10_000, 0, 16)
+    assert not held.batch and 0 < held.wait_ms <= 1000  # shard 1's retry, not shard 0's "none"
+    time.sleep(held.wait_ms / 1000)
+    again = queue.claim("x#3", 1, 10_000, 0, 16)
+    assert [(r.id, r.attempt) for r in again.batch] == [(request_id, 2)]
+    conn.close()
+
+
+def test_batch_the_model_waited_for_is_not_read_again(redis_url: str, queue_name: str) -> None:
+    """Before it runs a batch claimed ahead the worker reads every shard's head again, to
+    give the batch back for a more urgent request; a batch the model thread was already
+    waiting for runs on its claim's own read, with no command sent."""
+    configure(redis_url, queue_name, "--shards", "2")
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    queue = open_queue(conn, queue_name)
+    claimer = Claimer(queue, CallableRunner(lambda inputs: inputs), WorkerOptions(queue=queue_name),
+                      Leases(), BatchCap(1.0), lambda _: None, threading.Event())
+    late, urgent = ids_on_every_shard("f", 2, 1)
+    queue.enqueue([Request(id=late, input=0, priority="batch")])
+    claimed = queue.claim("x#1", 1, 10_000, 0, 16)
+    assert [r.id for r in claimed.batch] == [late]
+    queue.enqueue([Request(id=urgent, input=1, priority="realtime")])  # 60 s more urgent
+    batch = Batch(claimed.batch, claimed.now_ms)
+
+    def reads() -> int:
+        return conn.info("commandstats").get("cmdstat_zrange", {}).get("calls", 0)
+    before = reads()
+    arrives = threading.Timer(0.3, claimer.batches.put, [(batch, True)])
+    arrives.start()  # while the model thread waits in take()
+    assert claimer.take(10) is batch
+    assert reads() == before and queue.stats()["inflight"] == 1
+    claimer.batches.put((batch, True))  # now it waited in the queue: read, and given back
+    with pytest.raises(Empty):
+        claimer.take(0.5)
+    assert reads() > before
+    assert queue.stats()["inflight"] == 0 and queue.stats()["pending"] == 2
     conn.close()
 
 

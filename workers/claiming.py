@@ -46,15 +46,18 @@ class Claimer(threading.Thread):
 
         A batch claimed ahead goes back to the queue if something more urgent arrived
         while it waited (a realtime request during a flood): the next claim starts with
-        that request instead of making it wait for one more batch. Once a burst is drained,
-        every caller gets DRAINED.
+        that request instead of making it wait for one more batch. A batch the model
+        waited for did not wait: its claim's own read of the queue's heads stands, none is
+        read again (on N shards, N reads a batch). Once a burst is drained, every caller
+        gets DRAINED.
         """
         while True:
+            idle = self.batches.empty()  # the model waits: the batch it gets did not wait
             batch, frees_slot = self.batches.get(timeout=timeout)
             if batch is DRAINED:
                 self.batches.put((DRAINED, False))  # every model thread that asks sees it
                 return DRAINED
-            given_back = self._give_back_if_overtaken(batch)
+            given_back = not idle and self._give_back_if_overtaken(batch)
             if frees_slot:
                 self.slots.release()
             if not given_back:
