@@ -82,8 +82,7 @@ class AsyncShardedQueue:
             sends = [shards[i].enqueue([requests[p] for p in positions], client_id, len(shards))
                      for i, positions in groups.items()]
             # at once; once all are answered, the first error (as ShardedQueue.enqueue)
-            replies = [await sends[0]] if len(sends) == 1 else \
-                await asyncio.gather(*sends, return_exceptions=True)
+            replies = await asyncio.gather(*sends, return_exceptions=True)
             try:
                 for positions, accepted in zip(groups.values(), replies):
                     if isinstance(accepted, BaseException):
