@@ -75,4 +75,4 @@ class AsyncRequestQueue:
         if not first:
             return []
         rest = await self.client.lpop(key, most - 1) or []
-        return [Result.from_json(raw) for raw in [first[1], *rest]]
+        return Result.from_json_many([first[1], *rest])

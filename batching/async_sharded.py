@@ -135,4 +135,4 @@ class AsyncShardedQueue:
         if not first:
             return []
         rest = await self.client.lpop(first[0], most - 1) or []
-        return [Result.from_json(raw) for raw in [first[1], *rest]]
+        return Result.from_json_many([first[1], *rest])

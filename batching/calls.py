@@ -49,7 +49,7 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
         args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
                  k.stats, k.dead, k.attempts, k.history, k.call(new_call_id()),
-                 *(k.result(r.id) for r in requests)], args)
+                 *(k.result_prefix + r.id for r in requests)], args)
 
 
 def new_call_id() -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -175,7 +175,7 @@ class Keys:
     def cancelled(self, request_id: str) -> str:
         return self.cancelled_prefix + request_id
 
-    @property
+    @cached_property  # read once per request by enqueue and result deletion
     def result_prefix(self) -> str:
         """Prefix of the per-request result keys (STRING JSON with a TTL)."""
         return self._key("result:")

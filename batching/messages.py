@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from batchery.batching.codec import dumps, encode, loads
+from batchery.batching.codec import dumps, encode, loads, loads_many
 from batchery.batching.settings import CLASS_NAME
 from batchery.errors import InvalidRequest
 
@@ -182,6 +182,13 @@ class Result:
             return _frozen(cls, data)
         return cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
 
+    @classmethod
+    def from_json_many(cls, raws: list[str]) -> list["Result"]:
+        """``[Result.from_json(r) for r in raws]``, decoded together (codec.loads_many)."""
+        return [_frozen(cls, data) if data.keys() == _RESULT_KEYS else
+                cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+                for data in loads_many(raws)]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -195,10 +202,12 @@ _RESULT_KEYS = set(_RESULT_FIELDS)
 
 def _frozen(cls: type, fields: dict[str, Any]) -> Any:
     """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field, no
-    other name), built without its __init__: for messages read by the thousand, where
-    the frozen __init__'s object.__setattr__ per field was a third of the decoding."""
+    other name; a dict of the caller's own, which becomes the instance's), built without
+    its __init__: for messages read by the thousand, where the frozen __init__'s
+    object.__setattr__ per field was a third of the decoding. Taking the dict rather
+    than copying it saves an allocation per message, and with it garbage collections."""
     made = object.__new__(cls)
-    made.__dict__.update(fields)
+    object.__setattr__(made, "__dict__", fields)
     return made
 
 

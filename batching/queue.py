@@ -124,12 +124,13 @@ class RequestQueue(QueueInspection):
         if not first:
             return []
         rest = self.client.lpop(key, most - 1) or []
-        return [Result.from_json(raw) for raw in [first[1], *rest]]
+        return Result.from_json_many([first[1], *rest])
 
     def forget_results(self, ids: Sequence[str]) -> None:
         """Delete results that reached their reader (QueueSettings.delete_delivered)."""
         if ids:
-            self.client.delete(*(self.keys.result(i) for i in ids))
+            prefix = self.keys.result_prefix
+            self.client.delete(*(prefix + i for i in ids))
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         """Ids of queued or running requests matching the glob ``match`` (a scan of the

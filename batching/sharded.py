@@ -241,7 +241,7 @@ class ShardedQueue(ShardClaims):
         if not first:
             return []
         rest = self.client.lpop(first[0], most - 1) or []
-        return [Result.from_json(raw) for raw in [first[1], *rest]]
+        return Result.from_json_many([first[1], *rest])
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]

@@ -103,6 +103,26 @@ class ReplyListener:
             return True
         return sink is not None
 
+    def deliver_many(self, results: list[Result]) -> list[Result]:
+        """``[r for r in results if self.deliver(r)]``, holding the lock once: a bulk
+        read's thousand results cost one acquire, not one each."""
+        for result in results:
+            tracing.delivered(result)
+        with self._lock:
+            sinks = [self._sinks.pop(r.id, None) for r in results]
+            futures = ([self._waiters.pop(r.id, None) for r in results] if len(self._waiters)
+                       else [None] * len(results))
+        reached = []
+        for result, sink, future in zip(results, sinks, futures):
+            if sink is not None:
+                sink(result)
+            if future is not None and not future.done():
+                future.set_result(result)
+                reached.append(result)
+            elif sink is not None:
+                reached.append(result)
+        return reached
+
     def delivered(self, results: list[Result]) -> None:
         """Tell the owner these results reached their waiters (it may delete them)."""
         ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]
@@ -123,7 +143,7 @@ class ReplyListener:
             try:
                 popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
                                                  self._followed if tag is None else (tag,))
-                self.delivered([r for r in popped if self.deliver(r)])
+                self.delivered(self.deliver_many(popped))
                 backoff = 0.05
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)

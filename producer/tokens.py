@@ -38,7 +38,9 @@ class TokenCounter:
 
     def __call__(self, value: Any) -> int | None:
         """The exact count, or None when only an estimate is possible here."""
-        text = input_text(value) if self._encode else None
+        if self._encode is None:  # the common case (no tokenizer here): per request
+            return None
+        text = input_text(value)
         count = self._exact(text) if text is not None else None
         return min(count, self._max) if count is not None and self._max else count
 

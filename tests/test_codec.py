@@ -84,6 +84,24 @@ def test_text_is_read_as_json_reads_it(text: str) -> None:
     assert same(codec.loads(text.encode()), json.loads(text))
 
 
+LONG_AND_SHORT = ['12345678901234567890', '[1, 2]', '1234567890123456789', '{"a": 0.5}',
+                  '"12345678901234567890"', 'NaN', '[1e400]', '"\\ud800"', '7']
+
+
+@pytest.mark.parametrize("texts", [LONG_AND_SHORT, LONG_AND_SHORT[1:], LONG_AND_SHORT[3:4],
+                                   ['1', '2345678901234567890123'], ['{"a": 1}', '"\ud800"']])
+def test_texts_read_together_as_each_is_read(texts: list[str]) -> None:
+    """A reply list's bulk read: one long-integer scan over them all (a long integer
+    anywhere reads each alone), each text still read as json reads it."""
+    assert same(codec.loads_many(texts), [json.loads(t) for t in texts])
+
+
+def test_results_read_together_as_each_is_read() -> None:
+    raws = [Result(id=f"r{i}", status="ok", output=i, attempts=1).to_json() for i in range(3)]
+    raws.append('{"id": "r9", "status": "error", "error": {"type": "X", "message": "m"}}')
+    assert Result.from_json_many(raws) == [Result.from_json(r) for r in raws]
+
+
 @pytest.mark.parametrize("text", ['{"a": ', "{'a': 1}", "", "\xff"])
 def test_text_that_is_not_json_gets_json_s_error(text: str) -> None:
     with pytest.raises(ValueError) as expected:

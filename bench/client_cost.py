@@ -1,0 +1,80 @@
+"""Client cost: the producer's CPU per request alone, split by its two threads.
+
+bench.queue_cost's client column, narrowed: one real ``batchery worker --runner
+bench.runners:noop`` (started first), and ``Client.map`` over no-op inputs in this
+process, results delivered back to it. Each thread's CPU time is read around the map
+(/proc, Linux only): the caller's thread (building requests, the enqueue calls) and the
+reply listener's (its bulk reads, decoding, delivery, the deletion of delivered results);
+garbage collection is charged to the thread whose allocation set it off. A warm-up map
+comes first, so imports and script loading are not counted.
+
+``python -m bench.client_cost [--quick] [-n N] [--repeat R]``: every run is a row.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from batchery import Client
+from bench import common
+from bench.queue_cost import IN_FLIGHT
+
+COLUMNS = [("run", "run", "d"), ("requests", "requests", ",d"), ("rps", "requests/s", ",.0f"),
+           ("us_client", "client us/request", ".1f"), ("us_caller", "caller thread", ".1f"),
+           ("us_replies", "reply listener", ".1f")]
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread name."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        name = names.get(int(task.name), "other")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def run(url: str, n: int, queue: str = "client-cost") -> dict[str, Any]:
+    worker = common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
+                                    "--max-batch-size", "1024", "--max-wait-ms", "0")
+    try:
+        with Client(url, queue) as client:
+            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
+            client.map(range(2000), max_in_flight=IN_FLIGHT)  # warm: scripts loaded, listener up
+            threads, cpu = thread_cpu(), common.cpu_seconds()
+            started = time.perf_counter()
+            results = client.map(range(n), max_in_flight=IN_FLIGHT)
+            seconds = time.perf_counter() - started
+            cpu, after = common.cpu_seconds() - cpu, thread_cpu()
+    finally:
+        common.stop([worker])
+    assert all(r.ok for r in results), "a no-op request failed"
+    spent = {name: after[name] - threads.get(name, 0.0) for name in after}
+    return {"requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n,
+            "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
+            "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("-n", type=int, help="requests per run (default 100,000)")
+    args = p.parse_args(argv)
+    n = args.n or (20_000 if args.quick else 100_000)
+    rows = []
+    with common.private_redis() as url:
+        for i in range(args.repeat):
+            common.log(f"client cost: {n:,} no-op requests, run {i + 1} ...")
+            rows.append({"run": i + 1, **run(url, n, queue=f"client-cost-{i}")})
+    text = common.table(rows, COLUMNS)
+    print(f"\n## Client cost: Client.map, no-op runner ({common.machine()})\n\n{text}\n")
+    common.save("client_cost", {"machine": common.machine(), "rows": rows})
+    return {"rows": rows, "table": text}
+
+
+if __name__ == "__main__":
+    main()
