@@ -92,20 +92,11 @@ class ReplyListener:
     def deliver(self, result: Result) -> bool:
         """Resolve the waiter of a result (popped, or found by a direct read); True if
         someone waited for it."""
-        tracing.delivered(result)
-        with self._lock:
-            sink = self._sinks.pop(result.id, None)
-            future = self._waiters.pop(result.id, None) if len(self._waiters) else None
-        if sink is not None:
-            sink(result)
-        if future is not None and not future.done():
-            future.set_result(result)
-            return True
-        return sink is not None
+        return bool(self.deliver_many([result]))
 
     def deliver_many(self, results: list[Result]) -> list[Result]:
-        """``[r for r in results if self.deliver(r)]``, holding the lock once: a bulk
-        read's thousand results cost one acquire, not one each."""
+        """Resolve the waiters of results; those someone waited for. The lock is held
+        once: a bulk read's thousand results cost one acquire, not one each."""
         for result in results:
             tracing.delivered(result)
         with self._lock:
