@@ -61,7 +61,8 @@ def new_call_id() -> str:
 def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[str]:
     """The keys a script writes beyond its fixed ones, declared in KEYS as Redis Cluster
     demands: the result key of each id, then the reply list of each client ('' none)."""
-    return [*(k.result(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)]
+    result, reply = k.result_prefix, k.reply_prefix  # properties: built once, not per id
+    return [*(result + i for i in ids), *(reply + c for c in dict.fromkeys(clients) if c)]
 
 
 def parse_clients(scheds: Sequence[str | None]) -> list[str]:
