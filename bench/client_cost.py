@@ -5,25 +5,26 @@ bench.runners:noop`` (started first), and ``Client.map`` over no-op inputs in th
 process, results delivered back to it. Each thread's CPU time is read around the map
 (/proc, Linux only): the caller's thread (building requests, the enqueue calls) and the
 reply listener's (its bulk reads, decoding, delivery, the deletion of delivered results);
-garbage collection is charged to the thread whose allocation set it off. A warm-up map
-comes first, so imports and script loading are not counted.
+garbage collection is charged to the thread whose allocation set it off. Then the same
+through ``AsyncClient.map`` (one event loop thread: no split). A warm-up map comes
+first, so imports and script loading are not counted. Both use the default max_in_flight.
 
-``python -m bench.client_cost [--quick] [-n N] [--repeat R]``: every run is a row.
+``python -m bench.client_cost [--quick] [-n N] [--repeat R]``: every run is two rows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from batchery import Client
+from batchery import AsyncClient, Client
 from bench import common
-from bench.queue_cost import IN_FLIGHT
 
-COLUMNS = [("run", "run", "d"), ("requests", "requests", ",d"), ("rps", "requests/s", ",.0f"),
+COLUMNS = [("run", "run", "d"), ("api", "API", ""), ("requests", "requests", ",d"), ("rps", "requests/s", ",.0f"),
            ("us_client", "client us/request", ".1f"), ("us_caller", "caller thread", ".1f"),
            ("us_replies", "reply listener", ".1f")]
 
@@ -39,25 +40,37 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def run(url: str, n: int, queue: str = "client-cost") -> dict[str, Any]:
+def run(url: str, n: int, queue: str = "client-cost") -> list[dict[str, Any]]:
     worker = common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
                                     "--max-batch-size", "1024", "--max-wait-ms", "0")
     try:
         with Client(url, queue) as client:
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
-            client.map(range(2000), max_in_flight=IN_FLIGHT)  # warm: scripts loaded, listener up
+            client.map(range(2000))  # warm: scripts loaded, listener up
             threads, cpu = thread_cpu(), common.cpu_seconds()
             started = time.perf_counter()
-            results = client.map(range(n), max_in_flight=IN_FLIGHT)
+            results = client.map(range(n))
             seconds = time.perf_counter() - started
             cpu, after = common.cpu_seconds() - cpu, thread_cpu()
+        assert all(r.ok for r in results), "a no-op request failed"
+        spent = {name: after[name] - threads.get(name, 0.0) for name in after}
+        rows = [{"api": "Client.map", "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n,
+                 "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
+                 "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}]
+        rows.append(asyncio.run(run_async(url, n, queue)))
     finally:
         common.stop([worker])
+    return rows
+
+
+async def run_async(url: str, n: int, queue: str) -> dict[str, Any]:
+    async with AsyncClient(url, queue) as client:
+        await client.map(range(2000))
+        cpu, started = common.cpu_seconds(), time.perf_counter()
+        results = await client.map(range(n))
+        seconds, cpu = time.perf_counter() - started, common.cpu_seconds() - cpu
     assert all(r.ok for r in results), "a no-op request failed"
-    spent = {name: after[name] - threads.get(name, 0.0) for name in after}
-    return {"requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n,
-            "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
-            "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}
+    return {"api": "AsyncClient.map", "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -69,9 +82,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with common.private_redis() as url:
         for i in range(args.repeat):
             common.log(f"client cost: {n:,} no-op requests, run {i + 1} ...")
-            rows.append({"run": i + 1, **run(url, n, queue=f"client-cost-{i}")})
+            rows += [{"run": i + 1, **row} for row in run(url, n, queue=f"client-cost-{i}")]
     text = common.table(rows, COLUMNS)
-    print(f"\n## Client cost: Client.map, no-op runner ({common.machine()})\n\n{text}\n")
+    print(f"\n## Client cost: Client.map and AsyncClient.map, no-op runner ({common.machine()})\n\n{text}\n")
     common.save("client_cost", {"machine": common.machine(), "rows": rows})
     return {"rows": rows, "table": text}
 

@@ -136,9 +136,12 @@ class AsyncClient:
         if not batch:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
+        await self._enqueue(batch)
+        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
+
+    async def _enqueue(self, batch: list[Request]) -> None:
         with tracing.enqueue(self.queue.name, batch) as batch:
             await self.queue.enqueue(batch, self.client_id)
-        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
         """Enqueue one request and await its result."""
@@ -148,41 +151,77 @@ class AsyncClient:
     async def map(self, inputs: Iterable[Any], priority: str | int = "normal",
                   deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                   timeout: float | None = None) -> list[Result]:
-        """Run every input and return the results in input order, ``max_in_flight`` queued."""
+        """Run every input and return the results in input order, ``max_in_flight`` queued.
+
+        As Client.map: no future per request. The reply listener hands each result to
+        one sink that wakes this coroutine once per bulk read, however many are in flight.
+        """
         timeout = check_timeout(timeout)
         values = list(inputs)
         results: list[Result | None] = [None] * len(values)
-        waiting: dict[asyncio.Future, tuple[int, str]] = {}
+        place: dict[str, int] = {}  # id -> its input's index, while it is awaited
+        arrived: list[Result] = []
+        woken = asyncio.Event()
+
+        def sink(result: Result) -> None:
+            arrived.append(result)
+            woken.set()
+
+        first: Request | None = None  # checked whole; the others share its priority, deadline
+
+        def request(value: Any) -> Request:
+            nonlocal first
+            if first is None:
+                first = self.request({"input": value, "priority": priority, "deadline": deadline})
+                return first
+            return first.alike(self._new_id(), value, self._count(value))
+
         sent, progress = 0, time.monotonic()
-        while sent < len(values) or waiting:
-            while sent < len(values) and len(waiting) < max_in_flight:
-                chunk = values[sent:sent + min(ENQUEUE_CHUNK, max_in_flight - len(waiting))]
-                handles = await self.enqueue_many(
-                    {"input": v, "priority": priority, "deadline": deadline} for v in chunk)
-                waiting.update((h._future, (sent + j, h.id)) for j, h in enumerate(handles))
-                sent += len(chunk)
-            done, _ = await asyncio.wait(waiting, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            if not done:  # replies may have been lost (a Redis restart): read the keys
-                ids = [request_id for _, request_id in waiting.values()]
-                delivered, gone = [], []
-                for request_id, found in zip(ids, await self.lookup(ids)):
-                    if isinstance(found, Result):
-                        if self.replies.deliver(found):
-                            delivered.append(found)
-                    elif not found:
-                        gone.append(request_id)
-                await self.replies.delivered(delivered)
-                done = {f for f in waiting if f.done()}
-                gone = [i for f, (_, i) in waiting.items() if i in set(gone) and not f.done()]
+        try:
+            while sent < len(values) or place:
+                while sent < len(values) and len(place) < max_in_flight:
+                    if self._count is not None and self._count.stale:  # workers may announce one
+                        await self._load_settings()
+                    chunk = values[sent:sent + min(ENQUEUE_CHUNK, max_in_flight - len(place))]
+                    batch = [request(v) for v in chunk]
+                    ids = [r.id for r in batch]
+                    self.replies.collect(ids, sink)
+                    place.update(zip(ids, range(sent, sent + len(batch))))
+                    sent += len(batch)
+                    await self._enqueue(batch)
+                gone: list[str] = []
+                try:
+                    await asyncio.wait_for(woken.wait(), POLL_S)
+                except asyncio.TimeoutError:  # replies may have been lost (a Redis restart)
+                    gone = await self._look_up(list(place))
+                woken.clear()
+                for result in arrived:
+                    if result.id in place:
+                        results[place.pop(result.id)] = result
+                        progress = time.monotonic()
+                arrived.clear()
+                gone = [i for i in gone if i in place]
                 if gone:
                     raise lost(gone[0])
-            for future in done:
-                results[waiting.pop(future)[0]] = future.result()
-                progress = time.monotonic()
-            if timeout is not None and waiting and time.monotonic() - progress >= timeout:
-                raise ResultTimeout(f"no result for any of {len(waiting)} requests within "
-                                    f"{timeout}s; they stay queued")
+                if timeout is not None and place and time.monotonic() - progress >= timeout:
+                    raise ResultTimeout(f"no result for any of {len(place)} requests within "
+                                        f"{timeout}s; they stay queued")
+        finally:
+            for request_id in place:
+                self.replies.forget(request_id)
         return results  # type: ignore[return-value]
+
+    async def _look_up(self, ids: list[str]) -> list[str]:
+        """Deliver the results found by reading them; returns the ids Redis knows nothing of."""
+        delivered, gone = [], []
+        for request_id, found in zip(ids, await self.lookup(ids)):
+            if isinstance(found, Result):
+                if self.replies.deliver(found):
+                    delivered.append(found)
+            elif not found:
+                gone.append(request_id)
+        await self.replies.delivered(delivered)
+        return gone
 
     async def lookup(self, ids: list[str]) -> list[Result | bool]:
         """Each request's Result; else True while Redis holds it, False when it does not."""

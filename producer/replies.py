@@ -151,6 +151,7 @@ class AsyncReplyListener:
         self._client_id = client_id
         self._on_delivered = on_delivered
         self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
+        self._sinks: dict[str, Callable[[Result], None]] = {}
         self._followed: tuple[str, ...] = ()
         self._tasks: dict[str | None, asyncio.Task] = {}
         self._stopping = False
@@ -163,6 +164,14 @@ class AsyncReplyListener:
             self._waiters[request_id] = future
         return future
 
+    def collect(self, request_ids: Iterable[str], sink: Callable[[Result], None]) -> None:
+        """As ReplyListener.collect: ``sink`` gets each result once, in the event loop."""
+        self._sinks.update((request_id, sink) for request_id in request_ids)
+
+    def forget(self, request_id: str) -> None:
+        self._waiters.pop(request_id, None)
+        self._sinks.pop(request_id, None)
+
     def _follow(self, tags: Iterable[str]) -> None:
         """As ReplyListener._follow, with a task per reader (called in the event loop)."""
         new = [t for t in tags if t not in self._followed]
@@ -174,12 +183,16 @@ class AsyncReplyListener:
                 self._tasks[reader] = asyncio.create_task(self._run(reader), name="batchery-replies")
 
     def deliver(self, result: Result) -> bool:
+        """As ReplyListener.deliver: True if someone waited for it."""
         tracing.delivered(result)
-        future = self._waiters.pop(result.id, None)
+        sink = self._sinks.pop(result.id, None)
+        if sink is not None:
+            sink(result)
+        future = self._waiters.pop(result.id, None) if self._waiters else None
         if future is not None and not future.done():
             future.set_result(result)
             return True
-        return False
+        return sink is not None
 
     async def delivered(self, results: list[Result]) -> None:
         ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]

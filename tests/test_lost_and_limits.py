@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from batchery import AsyncClient, Client
+from batchery import AsyncClient, Client, Result, ResultTimeout
+from batchery.batching.queue import RequestQueue
+from batchery.connection import RedisSettings
 from batchery.errors import RequestLost
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 
@@ -130,3 +132,58 @@ def test_an_offline_job_enqueues_again_what_redis_lost(redis_url: str, queue_nam
     assert sorted(r["custom_id"] for r in written) == sorted(f"r{i}" for i in range(50))
     assert {r["status"] for r in written} == {"ok"}
     assert "Redis lost 10 queued request(s); enqueueing them again" in (tmp_path / "jobs.log").read_text()
+
+
+def test_async_map_reads_results_whose_replies_were_lost(redis_url: str, queue_name: str,
+                                                        rconn) -> None:
+    """A result committed without its push to the client's reply list (a failover lost
+    the push) is read from its key within a poll: AsyncClient.map still returns it."""
+    queue = RequestQueue(rconn, queue_name)
+
+    async def scenario() -> list[Result]:
+        async with AsyncClient(redis_url, queue_name) as ac:
+            mapping = asyncio.create_task(ac.map([f"m{i}" for i in range(5)], timeout=30))
+            while queue.stats()["pending"] < 5:
+                await asyncio.sleep(0.02)
+            claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+            assert queue.complete([(r.id, r.lease_token, Result(r.id, "ok", r.input).to_json())
+                                   for r in claimed], {}, clients=[""] * len(claimed))
+            return await asyncio.wait_for(mapping, 10)
+    results = asyncio.run(scenario())
+    assert [r.output for r in results] == [f"m{i}" for i in range(5)]
+
+
+def test_async_map_ends_with_a_clear_error_when_redis_lost_its_requests(queue_name: str) -> None:
+    server = RedisServer()  # no persistence: a restart keeps nothing
+    queue = RequestQueue(RedisSettings.from_url(server.url).client(), queue_name)
+    try:
+        async def scenario() -> BaseException:
+            async with AsyncClient(server.url, queue_name) as ac:
+                mapping = asyncio.create_task(ac.map(range(50), timeout=60))
+                while queue.stats()["pending"] < 50:
+                    await asyncio.sleep(0.02)
+                server.stop(signal.SIGKILL)
+                server.start()
+                try:
+                    await asyncio.wait_for(mapping, 20)
+                except Exception as exc:
+                    return exc
+                raise AssertionError("the map waited in vain")
+        started = time.monotonic()
+        error = asyncio.run(scenario())
+        assert isinstance(error, RequestLost), error
+        assert "Enqueue it again" in str(error)
+        assert time.monotonic() - started < 15
+    finally:
+        queue.client.close()
+        server.close()
+
+
+def test_async_map_times_out_without_progress_and_stops_collecting(redis_url: str,
+                                                                  queue_name: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(redis_url, queue_name) as ac:
+            with pytest.raises(ResultTimeout, match="no result for any of 3 requests within 1"):
+                await ac.map(["a", "b", "c"], timeout=1)
+            assert ac.replies._sinks == {}  # nothing left waiting on the listener
+    asyncio.run(scenario())
