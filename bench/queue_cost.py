@@ -10,7 +10,9 @@ request, enqueued in pipelined chunks; timed until its finished-job registry hol
 job (the caller does not even fetch the results: lenient to RQ). RQ runs fewer requests
 (its rate is what is compared); both in the same run, on the same private Redis server.
 
-``python -m bench.queue_cost [--quick] [-n N] [--rq-n N]``
+``python -m bench.queue_cost [--quick] [-n N] [--rq-n N] [--runner bench.runners:NAME]``
+(``--runner bench.runners:noop_uncounted``: a worker that cannot count tokens, so no
+pricing round)
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ RQ_CHUNK = 1000
 
 
 def run_batchery(url: str, n: int, max_batch_size: int, workers: int = 1,
-                 queue: str = "noop") -> dict[str, Any]:
-    procs = [common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
+                 queue: str = "noop", runner: str = "bench.runners:noop") -> dict[str, Any]:
+    procs = [common.batchery_worker(url, queue, "--runner", runner,
                                     "--max-batch-size", str(max_batch_size), "--max-wait-ms", "0")
              for _ in range(workers)]
     try:
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("-n", type=int, help="requests through batchery (default 100,000)")
     p.add_argument("--rq-n", type=int, help="jobs through RQ (default 10,000)")
     p.add_argument("--max-batch-size", type=int, default=1024)
+    p.add_argument("--runner", default="bench.runners:noop", help="the no-op runner to use")
     args = p.parse_args(argv)
     n = args.n or (20_000 if args.quick else 100_000)
     rq_n = args.rq_n or (2_000 if args.quick else 10_000)
@@ -107,10 +110,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(run_rq(url, rq_n, 1))
             rows.append(run_rq(url, rq_n, 2, queue="rq-noop-2"))
             common.log(f"queue cost: batchery, {n:,} no-op requests ...")
-            rows.append(run_batchery(url, n, args.max_batch_size))
+            rows.append(run_batchery(url, n, args.max_batch_size, runner=args.runner))
             redis.Redis.from_url(url).flushall()
             common.log(f"queue cost: batchery, {n:,} no-op requests, 2 workers ...")
-            rows.append(run_batchery(url, n, args.max_batch_size, workers=2))
+            rows.append(run_batchery(url, n, args.max_batch_size, workers=2, runner=args.runner))
             redis.Redis.from_url(url).flushall()
     rq_best = max(r["rps"] for r in rows if r["system"].startswith("RQ"))
     mine = [r for r in rows if not r["system"].startswith("RQ")]

@@ -15,6 +15,14 @@ def noop() -> Any:
     return run
 
 
+def noop_uncounted() -> Any:
+    """bench.runners:noop without a token count: its worker claims on the producer's
+    estimates, with no pricing round (what that round costs is the difference)."""
+    def run(inputs: list[Any]) -> list[Any]:
+        return [None] * len(inputs)
+    return run
+
+
 def fixed_cost() -> Any:
     """Sleeps BENCH_COST_MS per request (default 2): a model of known capacity, idle CPU."""
     per_request = float(os.environ.get("BENCH_COST_MS", "2")) / 1000
