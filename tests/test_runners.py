@@ -102,6 +102,10 @@ def test_a_batch_counted_to_price_it_is_prepared_as_tokenizing_it_would(minilm, 
     count_texts(minilm._tokenizer, ["one", "two", "three"], 256, bounded)
     assert bounded.prepare(minilm._tokenizer, ["one"]) is None  # the oldest went first
     assert bounded.prepare(minilm._tokenizer, ["two", "three"]) is not None
+    by_size = CountedTexts(100, max_chars=10)
+    count_texts(minilm._tokenizer, ["long text", "more"], 256, by_size)  # 9 + 4 chars > 10
+    assert by_size.prepare(minilm._tokenizer, ["long text"]) is None
+    assert by_size.prepare(minilm._tokenizer, ["more"]) is not None
 
 
 def test_embed_accepts_text_objects_and_rejects_other_inputs(minilm) -> None:

