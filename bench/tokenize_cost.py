@@ -3,7 +3,8 @@
 A worker whose producer could not count tokens (no transformers there) prices each
 estimated request with its tokenizer, then prepares the batch (padding, tensors). The
 preparing used to tokenize the texts again; now it pads the tokens kept from the count.
-Timed on the real MiniLM runner (``load_runner("embed", "minilm")``, CPU, one thread),
+Timed on the real MiniLM runner (``load_runner("embed", "minilm")``, CPU, one thread, as a
+worker tokenizes),
 for both corpora of bench/corpus.py in batches of 16 and 64: the count, preparing from
 the count's tokens, and preparing from the text (what a worker does for a request a
 producer counted exactly, and what it did before for all). Each figure is the best of 3.
@@ -13,12 +14,15 @@ producer counted exactly, and what it did before for all). Each figure is the be
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
 import torch
 
 from bench import common, corpus
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as a worker: one thread tokenizes
 
 COLUMNS = [("corpus", "corpus", ""), ("batch", "batch", "d"), ("count", "count us/text", ".0f"),
            ("kept", "prepare from the count", ".0f"), ("fresh", "prepare from the text", ".0f"),
