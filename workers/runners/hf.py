@@ -87,7 +87,7 @@ def _prepared(encoded: Any) -> Prepared:
 class CountedTexts:
     """The tokenizer's output for texts this worker counted to price them, kept so that
     preparing them does not tokenize them again (the costlier half: padding and tensors
-    from the text took 2x the count's time for MiniLM). Bounded: the oldest go first.
+    from the text took 1.5-2x the count's time for MiniLM). Bounded: the oldest go first.
     Thread-safe: the claim and execution threads both prepare."""
 
     def __init__(self, capacity: int, max_chars: int = COUNTED_KEPT_CHARS) -> None:
