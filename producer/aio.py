@@ -17,6 +17,7 @@ from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
                                       check_timeout, is_cancelled, lost, make_request)
+from batchery.producer.coalesce import EnqueueCoalescer
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
 
@@ -104,6 +105,7 @@ class AsyncClient:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
         self.queue = await open_async_queue(self._conn, self._queue_name)
         self.replies = AsyncReplyListener(self.queue, self.client_id, self._forget_delivered)
+        self._coalescer = EnqueueCoalescer(self._send, ENQUEUE_CHUNK)
         await self.queue.register()  # listed for `batchery queue stats`
         await self._load_settings()
 
@@ -141,7 +143,10 @@ class AsyncClient:
 
     async def _enqueue(self, batch: list[Request]) -> None:
         with tracing.enqueue(self.queue.name, batch) as batch:
-            await self.queue.enqueue(batch, self.client_id)
+            await self._coalescer.enqueue(batch)
+
+    async def _send(self, batch: list[Request]) -> None:
+        await self.queue.enqueue(batch, self.client_id)
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
         """Enqueue one request and await its result."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from batchery import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
+from batchery import AsyncClient, Client, InvalidRequest, QueueFull, RequestTooLarge, ResultTimeout
 from batchery.connection import RedisSettings
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
@@ -166,3 +166,34 @@ def test_async_client_submit_map_and_cancel(redis_url: str, queue_name: str) -> 
                 results = await client.map(range(120), timeout=20)
             assert [r.output["echo"] for r in results] == list(range(120))
     asyncio.run(scenario())
+
+
+def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_name: str,
+                                                       rconn) -> None:
+    """Concurrent one-request enqueues (a service awaiting submit per caller) share one
+    enqueue call; a refused one is sent again caller by caller, so each caller gets its
+    own answer: the others' requests are queued, the refused one says why."""
+    def enqueue_calls() -> int:
+        return int(rconn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    async def scenario(settings: Client) -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            await client.enqueue("warm")  # scripts loaded, settings read
+            before = enqueue_calls()
+            handles = await asyncio.gather(*(client.enqueue(f"r{i}") for i in range(50)))
+            assert enqueue_calls() - before == 1
+            assert await client.lookup([h.id for h in handles]) == [True] * 50
+
+            settings.queue.update_settings(max_request_bytes=200)
+            outcomes = await asyncio.gather(client.enqueue("ok 1"), client.enqueue("x" * 500),
+                                            client.enqueue("ok 2"), return_exceptions=True)
+            assert isinstance(outcomes[1], RequestTooLarge)
+            ok = [outcomes[0], outcomes[2]]
+            assert await client.lookup([h.id for h in ok]) == [True, True]
+
+            settings.queue.update_settings(max_request_bytes=10_000, max_pending=55)  # 2 more
+            outcomes = await asyncio.gather(*(client.enqueue(f"f{i}") for i in range(4)),
+                                            return_exceptions=True)
+            assert [type(o).__name__ for o in outcomes] == ["AsyncHandle"] * 2 + ["QueueFull"] * 2
+    with Client(redis_url, queue_name) as settings:
+        asyncio.run(scenario(settings))
