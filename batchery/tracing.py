@@ -41,7 +41,7 @@ from batchery.errors import ConfigError
 SYSTEM = "batchery"
 
 _provider: Any = None     # set by use_tracer_provider: wins over the global provider
-_tracers: dict[int, Any] = {}
+_tracers: dict[int, tuple[Any, Any]] = {}  # id(provider) -> (provider, its tracer)
 # request id -> (its enqueue span's context, the span's end): its result's arrival ends an
 # "await result" span in its trace (at most MAX_AWAITED: a result never read does not stay)
 _awaited: dict[str, tuple[Any, int]] = {}
@@ -63,9 +63,13 @@ def get_tracer() -> Any:
     provider = _provider or trace.get_tracer_provider()
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None
-    tracer = _tracers.get(id(provider))
-    if tracer is None:
-        tracer = _tracers[id(provider)] = provider.get_tracer("batchery")
+    # keyed by id, the provider held with its tracer: a provider shut down and let go
+    # could otherwise be followed by a new one at its address, which would get its tracer
+    # (and its sampler: the cause of a flaky tracing test)
+    held, tracer = _tracers.get(id(provider), (None, None))
+    if held is not provider:
+        tracer = provider.get_tracer("batchery")
+        _tracers[id(provider)] = (provider, tracer)
     return tracer
 
 

@@ -3,6 +3,7 @@ SDK's InMemorySpanExporter, the worker's from its OTLP/HTTP export (tests/otlp.p
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -335,3 +336,22 @@ def test_a_request_the_reaper_dead_letters_says_so_in_its_trace(
     assert [name for name, _ in reap.events] == ["dead-lettered"]
     assert "lease expired" in reap.events[0][1]["batchery.reason"]
     assert reap.error
+
+
+def test_a_new_tracer_provider_gets_its_own_tracer_not_a_shut_down_ones() -> None:
+    """Providers made, used, shut down and dropped in turn (as an application or a test
+    swaps them): each one's own sampler decides, even where a new one lands at the
+    address of one let go."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+    try:
+        for i in range(10):
+            sampler = ALWAYS_OFF if i % 2 else ALWAYS_ON
+            provider = TracerProvider(sampler=sampler)
+            tracing.use_tracer_provider(provider)
+            assert tracing.get_tracer().sampler is sampler
+            provider.shutdown()  # no longer held by its exit hook: it can be freed
+            tracing.use_tracer_provider(None)
+            del provider
+            gc.collect()
+    finally:
+        tracing.use_tracer_provider(None)
