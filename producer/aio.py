@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 from typing import Any, AsyncIterator, Iterable, Mapping
@@ -16,7 +17,8 @@ from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
-                                      check_timeout, is_cancelled, lost, make_request)
+                                      check_timeout, is_cancelled, lost, make_request,
+                                      map_requests)
 from batchery.producer.coalesce import EnqueueCoalescer
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
@@ -115,6 +117,16 @@ class AsyncClient:
         self._count = await asyncio.to_thread(TokenCounter, settings.tokenizer,
                                               settings.max_input_tokens)
 
+    async def _refresh_settings(self) -> None:
+        """Read the queue's settings again when the token counter says workers may have
+        announced a tokenizer since."""
+        if self._count is not None and self._count.stale:
+            await self._load_settings()
+
+    def _count_tokens(self, value: Any) -> int | None:
+        assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"
+        return self._count(value)
+
     async def close(self) -> None:
         if self._conn is not None:
             await self.replies.close()
@@ -132,8 +144,7 @@ class AsyncClient:
                                           "id": id, "tokens": tokens, "meta": meta}]))[0]
 
     async def enqueue_many(self, requests: Iterable[Mapping[str, Any]]) -> list[AsyncHandle]:
-        if self._count is not None and self._count.stale:  # workers may have announced one
-            await self._load_settings()
+        await self._refresh_settings()
         batch = [self.request(r) for r in requests]
         if not batch:
             return []
@@ -172,23 +183,14 @@ class AsyncClient:
             arrived.append(result)
             woken.set()
 
-        first: Request | None = None  # checked whole; the others share its priority, deadline
-
-        def request(value: Any) -> Request:
-            nonlocal first
-            if first is None:
-                first = self.request({"input": value, "priority": priority, "deadline": deadline})
-                return first
-            return first.alike(self._new_id(), value, self._count(value))
-
+        source = map_requests(values, priority, deadline, self._new_id, self._count_tokens)
         sent, progress = 0, time.monotonic()
         try:
             while sent < len(values) or place:
                 while sent < len(values) and len(place) < max_in_flight:
-                    if self._count is not None and self._count.stale:  # workers may announce one
-                        await self._load_settings()
-                    chunk = values[sent:sent + min(ENQUEUE_CHUNK, max_in_flight - len(place))]
-                    batch = [request(v) for v in chunk]
+                    await self._refresh_settings()
+                    batch = list(itertools.islice(
+                        source, min(ENQUEUE_CHUNK, max_in_flight - len(place))))
                     ids = [r.id for r in batch]
                     self.replies.collect(ids, sink)
                     place.update(zip(ids, range(sent, sent + len(batch))))

@@ -58,6 +58,20 @@ def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
                              meta=fields.get("meta"), count=count)
 
 
+def map_requests(values: Iterable[Any], priority: str | int, deadline: float | None,
+                 new_id: Callable[[], str], count: Callable[[Any], int | None]) -> Iterator[Request]:
+    """``map``'s requests, drawn lazily: the first checked whole (make_request), the others
+    sharing its priority, deadline and meta, built without the frozen __init__ under ids
+    of ours (valid as made), ``count`` read at each draw (the queue's tokenizer may change)."""
+    first: Request | None = None
+    for value in values:
+        if first is None:
+            yield (first := make_request({"input": value, "priority": priority, "deadline": deadline},
+                                         new_id, count))
+        else:
+            yield first.alike(new_id(), value, count(value))
+
+
 def lost(request_id: str) -> RequestLost:
     return RequestLost(
         f"request {request_id!r} is not in Redis any more: not queued, not running, and no "
@@ -311,15 +325,10 @@ class Client:
         index: dict[str, int] = {}
 
         def requests() -> Iterator[Request]:
-            first: Request | None = None  # checked whole; the others share its priority, deadline
-            for i, value in enumerate(inputs):
-                request_id = self._new_id()  # an id of ours: valid as made
-                index[request_id] = i
-                if first is None:
-                    yield (first := self.request({"id": request_id, "input": value,
-                                                  "priority": priority, "deadline": deadline}))
-                else:
-                    yield first.alike(request_id, value, self.count_tokens(value))
+            for i, request in enumerate(map_requests(inputs, priority, deadline, self._new_id,
+                                                     self.count_tokens)):
+                index[request.id] = i
+                yield request
 
         ordered: dict[int, Result] = {}
         for result in self._stream(requests(), max_in_flight, timeout):
