@@ -7,14 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from batchery import AsyncClient, Client
 from batchery.batching.messages import Request
@@ -23,47 +19,20 @@ from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
-from batchery.workers.runners.hf import resolve_model
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
+from tests.generation_helpers import build_gpt2, generate_worker
 
 LONG = 400  # new tokens of a sequence that runs for a couple of seconds here
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """GPT-2 with random weights and MiniLM's tokenizer; no EOS, so lengths are exact."""
-    path = tmp_path_factory.mktemp("gpt2")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=64, n_layer=2, n_head=2,
-                               n_positions=512, bos_token_id=None,
-                               eos_token_id=None)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_gpt2(tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture(scope="module")
 def runner(model_dir: Path) -> Any:
     return load_runner("generate", str(model_dir), None, "cpu")
-
-
-@contextmanager
-def generate_worker(redis_url: str, queue_name: str, runner: Any,
-                    **options: Any) -> Iterator[GenerateWorker]:
-    """A generate worker on a thread of this process (its model is the module's runner)."""
-    settings = {"max_wait_ms": 0, "max_batch_tokens": 4096, **options}
-    w = GenerateWorker(RedisSettings.from_url(redis_url), runner,
-                       WorkerOptions(queue=queue_name, **settings))
-    thread = threading.Thread(target=w.run, kwargs={"handle_signals": False}, daemon=True)
-    thread.start()
-    # registered, so an enqueue wakes it (one before that waits for its idle poll: a 0.3 s
-    # deadline would pass)
-    with Client(redis_url, queue_name) as c:
-        wait_for(lambda: c.queue.stats()["workers"] == 1, 30, message="the worker registered")
-    yield w
-    w.stop.set()
-    thread.join(30)
-    assert not thread.is_alive()
 
 
 @pytest.fixture

@@ -211,10 +211,9 @@ class DecodeLoop:
             try:
                 with tracing.prefill([s.key.request for s in p.seqs]):  # a span per chunk
                     tokens = self.batch.advance(p, 0 if whole else budget - spent)
-            except Exception as exc:  # a prefill that fails fails its newcomers (retried)
-                log.warning("prefill of %d request(s) failed: %s", len(p.seqs), exc)
+            except Exception as exc:  # narrowed down to the newcomer that raised
                 self.prefilling.remove(p)
-                self._commit([], failed=[(s, exc) for s in p.seqs])
+                self._bisect(p.seqs, exc, "prefill")
                 continue
             chunk = p.mask[:, before:p.done]
             spent += chunk.numel()
@@ -223,14 +222,32 @@ class DecodeLoop:
                 self.prefilling.remove(p)
                 self._joined(p, tokens)
 
-    def _joined(self, p: Prefill, tokens: list[int]) -> None:
+    def _joined(self, p: Prefill, tokens: list[Any]) -> None:
         self._advance(p.seqs, tokens, joined=False)
         self._flush_streams()  # the first tokens go out before the cache is copied
         self._cut_preempted()
-        self.batch.join(p, tokens)
+        try:
+            self.batch.join(p, tokens)
+        except Exception as exc:  # (the batch is as it was) narrowed down as a prefill is
+            self._bisect([s for s in p.seqs if not s.finish_reason], exc, "join")
+            return
         ended = [s for s in p.seqs if s.finish_reason]
-        if ended:  # done at their first token (max_new_tokens 1, EOS, a stop string)
+        if ended:  # done at their first token (max_new_tokens 1, EOS, a stop string, an error)
             self.batch.drop(ended)
+
+    def _bisect(self, seqs: list[Sequence], exc: Exception, what: str) -> None:
+        """A shared call over newcomers raised: one alone fails (its own error, retried as
+        any); more are prefilled again in two halves, each from its context (what it
+        generated is kept), so the one that raises ends up alone in about log2(n) calls
+        and the others go on."""
+        if len(seqs) <= 1:
+            self._commit([], failed=[(s, exc) for s in seqs])
+            return
+        log.warning("%s of %d request(s) failed (%s: %s); trying each half apart", what,
+                    len(seqs), type(exc).__name__, str(exc)[:200])
+        half = len(seqs) // 2
+        self.prefilling += [self.batch.start(seqs[:half]), self.batch.start(seqs[half:])]
+        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
 
     def _cut_preempted(self) -> None:
         if self._preempting:
@@ -256,7 +273,8 @@ class DecodeLoop:
         started = time.perf_counter()
         try:
             tokens = self.batch.step()
-        except Exception as exc:  # every running sequence fails this attempt (retried)
+        except Exception as exc:  # (a row's fault is its own: step() bisects) the batch's own
+            # failure, out of memory in its bisection: every running sequence fails this attempt
             log.warning("decode step over %d sequences failed: %s", len(rows), exc)
             self.batch.drop(rows)
             self._commit([], failed=[(s, exc) for s in rows])
@@ -266,12 +284,16 @@ class DecodeLoop:
         self.count(runs=1, tokens=len(rows), padded=len(rows))
         self._advance(rows, tokens)
 
-    def _advance(self, rows: list[Sequence], tokens: list[int], joined: bool = True) -> None:
-        """Append each row's token; rows that ended are committed and (``joined``: they
-        are in the batch) leave it."""
+    def _advance(self, rows: list[Sequence], tokens: list[Any], joined: bool = True) -> None:
+        """Append each row's token; rows that ended, or met their own error, are committed
+        and (``joined``: they are in the batch) leave it."""
         now = time.monotonic()
-        ended = []
+        ended, failed = [], []
         for s, token in zip(rows, tokens):
+            if isinstance(token, Exception):
+                s.finish_reason = "error"
+                failed.append((s, token))
+                continue
             self._append(s, token)
             if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
                 s.finish_reason = "deadline"
@@ -280,10 +302,10 @@ class DecodeLoop:
                 self._stream(s)
             if s.finish_reason:
                 ended.append(s)
-        if ended:
+        if ended or failed:
             if joined:
-                self.batch.drop(ended)
-            self._commit(ended)
+                self.batch.drop(ended + [s for s, _ in failed])
+            self._commit(ended, failed)
 
     def _append(self, s: Sequence, token: int) -> None:
         p = s.params

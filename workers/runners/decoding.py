@@ -88,7 +88,7 @@ class DecodeBatch:
         return len(self.rows)
 
     @torch.inference_mode()
-    def add(self, seqs: list[Sequence]) -> list[int]:
+    def add(self, seqs: list[Sequence]) -> list[Any]:
         """Prefill newcomers at once and stack them under the running rows; their first tokens."""
         prefill = self.start(seqs)
         tokens = self.advance(prefill, 0)
@@ -106,10 +106,10 @@ class DecodeBatch:
         return Prefill(seqs, ids, mask, DynamicCache(config=self.model.config))
 
     @torch.inference_mode()
-    def advance(self, p: Prefill, max_tokens: int) -> list[int] | None:
+    def advance(self, p: Prefill, max_tokens: int) -> list[Any] | None:
         """Prefill the next chunk of ``p``: as many columns as keep it within ``max_tokens``
         tokens (at least one; 0: all the rest). The newcomers' first tokens once their
-        contexts are all in, else None."""
+        contexts are all in (or a row's own error), else None."""
         rows, width = p.ids.shape
         columns = width - p.done if max_tokens <= 0 else max(1, max_tokens // rows)
         end = min(width, p.done + columns)
@@ -126,28 +126,71 @@ class DecodeBatch:
                       [s.generator for s in p.seqs])
 
     @torch.inference_mode()
-    def join(self, p: Prefill, tokens: list[int]) -> None:
+    def join(self, p: Prefill, tokens: list[Any]) -> None:
         """Stack a finished prefill under the running rows (copying the cache), each row
         with ``tokens``, its next token, to feed."""
-        self._stack(p.cache, p.mask)
-        self.rows += p.seqs
-        self._pos = torch.cat([self._pos, p.mask.sum(dim=-1)])
-        self._last = torch.cat([self._last, torch.tensor(tokens, device=self.device)])
+        self._stack(p.cache, p.mask, p.seqs, p.mask.sum(dim=-1), self._feed(tokens))
 
     @torch.inference_mode()
-    def step(self) -> list[int]:
-        """One decode step of every row: each row's next token."""
-        self._mask = torch.cat([self._mask, self._mask.new_ones(len(self.rows), 1)], dim=-1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
-                         position_ids=self._pos[:, None], past_key_values=self._cache,
-                         use_cache=True)
-        self._cache = out.past_key_values
-        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in self.rows],
-                        [s.generator for s in self.rows])
-        self._pos = self._pos + 1
-        self._last = torch.tensor(tokens, device=self.device)
+    def step(self) -> list[Any]:
+        """One decode step of every row: each row's next token, or its own error. A step
+        that raises is bisected: each half of the rows steps apart, down to the row that
+        raises alone, which gets the error; the others have their token as usual."""
+        width = self._mask.shape[1]
+        try:
+            tokens = self._step()
+        except Exception as exc:  # the model or the cache raised for some row(s)
+            self._rollback(width)
+            if len(self.rows) == 1:
+                return [exc]
+            tokens = self._bisect()
         self.steps += 1
         return tokens
+
+    def _step(self) -> list[Any]:
+        mask = torch.cat([self._mask, self._mask.new_ones(len(self.rows), 1)], dim=-1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=mask,
+                         position_ids=self._pos[:, None], past_key_values=self._cache,
+                         use_cache=True)
+        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in self.rows],
+                        [s.generator for s in self.rows])
+        self._cache, self._mask = out.past_key_values, mask
+        self._pos = self._pos + 1
+        self._last = self._feed(tokens)
+        return tokens
+
+    def _rollback(self, width: int) -> None:
+        """Undo a step that raised midway: the layers it wrote keep their ``width`` columns."""
+        for layer in self._layers(self._cache):
+            if layer.keys is not None and layer.keys.shape[-2] > width:
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+
+    def _bisect(self) -> list[Any]:
+        """Step each half of the rows apart (recursively, so a row that raises ends up
+        alone), then put them back together in their order."""
+        half = len(self.rows) // 2
+        parts = [self._take(range(half)), self._take(range(half, len(self.rows)))]
+        tokens = parts[0].step() + parts[1].step()
+        self.rows, self._cache = [], None
+        for part in parts:
+            self._stack(part._cache, part._mask, part.rows, part._pos, part._last)
+        return tokens
+
+    def _take(self, rows: range) -> DecodeBatch:
+        """Some rows as a batch of their own (their cache copied)."""
+        part = DecodeBatch(self.model, self.device, self.pad_id)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        part.rows = [self.rows[i] for i in rows]
+        part._mask, part._pos, part._last = self._mask[index], self._pos[index], self._last[index]
+        part._cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(self._layers(self._cache)):
+            part._cache.update(layer.keys[index], layer.values[index], i)
+        return part
+
+    def _feed(self, tokens: list[Any]) -> torch.Tensor:
+        """The tokens to feed next (padding for a row that failed: it leaves the batch)."""
+        return torch.tensor([t if isinstance(t, int) else self.pad_id for t in tokens],
+                            dtype=torch.long, device=self.device)
 
     def drop(self, leaving: list[Sequence]) -> None:
         """Cut rows out of the batch, and the cache columns that only they needed."""
@@ -180,15 +223,24 @@ class DecodeBatch:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
 
-    def _stack(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+    def _stack(self, cache: DynamicCache, mask: torch.Tensor, rows: list[Sequence],
+               pos: torch.Tensor, last: torch.Tensor) -> None:
+        """Put rows (their cache, mask, next positions and tokens to feed) under the
+        running ones. All is built before anything changes: a failure leaves the batch as
+        it was."""
         if self._cache is None:
-            self._cache, self._mask = cache, mask
+            self._cache, self._mask, self.rows, self._pos, self._last = cache, mask, list(rows), pos, last
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        for old, new in zip(self._layers(self._cache), self._layers(cache)):
-            old.keys = torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)])
-            old.values = torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)])
-        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        stacked = [(torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)]),
+                    torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)]))
+                   for old, new in zip(self._layers(self._cache), self._layers(cache))]
+        joined_mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        joined_pos, joined_last = torch.cat([self._pos, pos]), torch.cat([self._last, last])
+        for layer, (keys, values) in zip(self._layers(self._cache), stacked):
+            layer.keys, layer.values = keys, values
+        self._mask, self._pos, self._last = joined_mask, joined_pos, joined_last
+        self.rows = self.rows + list(rows)
 
     @staticmethod
     def _layers(cache: DynamicCache | None) -> list[Any]:

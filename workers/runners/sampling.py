@@ -19,6 +19,9 @@ from batchery.workers.runners.base import InputError
 DEFAULT_NEW_TOKENS = 32  # a short answer unless the request asks for more
 MAX_NEW_TOKENS = 1024    # bounds one sequence's KV cache and its stream
 MAX_STOPS, MAX_STOP_CHARS = 16, 200
+# The lowest temperature that float32 logits of ordinary range survive (their spread / 1e-4
+# stays far below float32's 3e38); a lower one may fail its request (SamplingError).
+MIN_TEMPERATURE = 1e-4
 FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "seed",
           "stream")
 
@@ -111,14 +114,33 @@ def new_generator(params: GenParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
+class SamplingError(InputError):
+    """A row whose next-token logits or probabilities are not finite: its parameters (or
+    the model, for its prompt) cannot give a token. Fails that request alone, not retried."""
+
+
 def choose(logits: torch.Tensor, params: list[GenParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """The next token of each row of ``logits`` [rows, vocab] (float32, on the CPU)."""
-    chosen = logits.argmax(dim=-1).tolist()
+           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
+    """The next token of each row of ``logits`` [rows, vocab] (float32, on the CPU), or the
+    row's own error: nothing one row asks for can fail another."""
+    chosen: list[int | SamplingError] = list(logits.argmax(dim=-1).tolist())
+    broken = torch.isnan(logits).any(dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            chosen[row] = _sample(logits[row], p, gen)
+        try:
+            if broken[row]:
+                raise SamplingError("the model's logits hold NaN")
+            if not p.greedy:
+                chosen[row] = _sample(logits[row], p, gen)
+        except Exception as exc:  # the row's own fault, whatever raised
+            chosen[row] = SamplingError(_explain(exc, p))
     return chosen
+
+
+def _explain(exc: Exception, p: GenParams) -> str:
+    return (f"this request's next-token probabilities are not finite ({exc}) with temperature "
+            f"{p.temperature!r}, top_p {p.top_p!r}, top_k {p.top_k!r}: a temperature this close "
+            f"to 0 overflows the logits; use 0 for greedy decoding or a temperature of at least "
+            f"{MIN_TEMPERATURE}")
 
 
 def _sample(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None) -> int:
@@ -132,4 +154,6 @@ def _sample(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None) -> 
         drop = cumulative - ordered.softmax(dim=-1) >= p.top_p  # keep the token that crosses it
         scores = scores.scatter(0, index[drop], float("-inf"))
     probs = scores.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        raise SamplingError("inf or NaN after scaling")
     return int(torch.multinomial(probs, 1, generator=gen).item())
