@@ -18,6 +18,8 @@ from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.runners import load_runner
 from batchery.workers.runners.decoding import DecodeBatch
+from batchery.workers.runners.sampling import (Rows, SamplingError, choose, new_generator,
+                                                parse_params)
 from tests.generation_helpers import build_gpt2, generate_worker
 
 GOOD = [{"prompt": p, "max_new_tokens": n}
@@ -63,7 +65,7 @@ def assert_untouched(good: list[Any], expected: list[str]) -> None:
 @pytest.mark.parametrize("params", [
     {"temperature": 1e-50},                       # the logits overflow float32: inf - inf
     {"temperature": 5e-324, "top_k": 1_000_000},  # the smallest double; top_k past the vocab
-    {"temperature": 1e-30, "top_p": 1e-300},      # a nucleus of one token, of NaN probability
+    {"temperature": 1e-40, "top_p": 1e-300},      # float32's subnormals; a nucleus of one token
 ])
 def test_parameters_that_overflow_fail_their_row_alone(runner, expected, redis_url, queue_name,
                                                        client, params) -> None:
@@ -177,12 +179,12 @@ def test_planted_parameters_never_touch_another_request(served, expected, plante
             assert result.error["message"] and "Traceback" not in result.error["message"]
 
 
-def test_a_non_finite_row_fails_alone_in_the_batch_itself(runner) -> None:
-    """Below the worker: a NaN in one row's logits fails that row, the others sample."""
-    from batchery.workers.runners.sampling import choose, parse_params
+def test_a_non_finite_row_fails_alone_in_the_batch_itself() -> None:
+    """Below the worker: a NaN in one row's logits fails that row, the others choose."""
     logits = torch.randn(3, 50)
     logits[1, 7] = float("nan")
-    rows = [parse_params({"prompt": "x", "temperature": t}) for t in (0.0, 0.0, 0.7)]
-    chosen = choose(logits, rows, [None, None, torch.Generator().manual_seed(1)])
+    params = [parse_params({"prompt": "x", "temperature": t, "seed": 1}) for t in (0.0, 0.0, 0.7)]
+    rows = Rows.of(params, [new_generator(p) for p in params], 50, torch.device("cpu"))
+    chosen = choose(logits, rows).tokens
     assert chosen[0] == int(logits[0].argmax()) and isinstance(chosen[2], int)
-    assert type(chosen[1]).__name__ == "SamplingError"
+    assert isinstance(chosen[1], SamplingError)

@@ -51,10 +51,12 @@ class DecodeLoop:
         self.streams = StreamWriter(queue_.client, queue_.keys_for)
         self._checked = time.monotonic()
         self._claim_backoff, self._claim_after = 0.1, 0.0
+        self._spent: dict[str, float] = {}  # the batch's seconds by phase, as last counted
 
     def run(self, stop: Any, burst: bool) -> None:
         handed_back = False
         while True:
+            started = time.perf_counter()
             if stop.is_set() and not handed_back:
                 self._hand_back()
                 handed_back = True
@@ -70,6 +72,18 @@ class DecodeLoop:
                 self._step()
             self._check_leases()
             self._flush_streams()
+            self._time_phases(started)
+
+    def _time_phases(self, started: float) -> None:
+        """Count this turn's time by phase: the batch's model and sampling time, the rest
+        host (the step's critical path: scheduling, Redis, text)."""
+        spent = dict(self.batch.seconds)
+        total = time.perf_counter() - started
+        for phase in ("model", "sampling"):
+            metrics.generate_seconds(phase).inc(spent[phase] - self._spent.get(phase, 0.0))
+        busy = sum(spent.values()) - sum(self._spent.values())
+        metrics.generate_seconds("host").inc(max(0.0, total - busy))
+        self._spent = spent
 
     # -- admission -------------------------------------------------------------------
     def _running(self) -> list[Sequence]:
@@ -344,6 +358,8 @@ class DecodeLoop:
         outcomes = []
         for s in ended:
             output = {"text": s.text, "tokens": len(s.generated), "finish_reason": s.finish_reason}
+            if s.params.logprobs is not None:
+                output["logprobs"] = self._logprobs(s)
             run_ms = round((time.perf_counter() - s.key.started) * 1000, 3)
             if s.finish_reason == "deadline":
                 outcomes.append(Outcome(s.key.request, output=output, expired=True, batch_size=size,
@@ -360,6 +376,14 @@ class DecodeLoop:
         for claimed_ms, group in by_claim.items():
             self.writer.submit(Executed(claimed_ms, group))
         self.count(requests=len(ended))
+
+    def _logprobs(self, s: Sequence) -> list[dict[str, Any]]:
+        """Per generated token: its text, id and log-probability under the model, and the
+        likeliest alternatives when the request asked for some."""
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            return {"token": self.runner.text([token]), "id": token, "logprob": logprob}
+        return [{**entry(token, mine), "top": [entry(t, lp) for t, lp in top]}
+                for token, mine, top in s.logprobs[:len(s.generated)]]
 
     # -- between steps -----------------------------------------------------------------
     def _check_leases(self) -> None:

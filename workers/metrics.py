@@ -28,6 +28,9 @@ QUEUE_WAIT = Histogram("batchery_queue_wait_seconds", "From enqueue to claim",
 # multiprocess_mode: how --concurrency's parent adds up its children (ignored otherwise)
 QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue", "priority"],
                     multiprocess_mode="max")  # each process reports the whole queue
+GENERATE_SECONDS = Counter("batchery_generate_seconds_total", "--task generate: time in its "
+                           "decode loop by phase (model: forward passes; sampling: choosing "
+                           "tokens; host: the rest, scheduling, Redis, text)", ["queue", "phase"])
 REDIS_ERRORS_BY = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
                           "Redis refuses, e.g. out of memory) met by the worker, by operation",
                           ["queue", "operation"])
@@ -75,6 +78,11 @@ def bind(queue: str) -> None:
     if before == "" and queue:  # the placeholders of import time: not a queue to export
         for metric in _BY_QUEUE.values():
             metric.remove("")
+
+
+def generate_seconds(phase: str) -> Any:
+    """The counter of the decode loop's time in ``phase`` (model, sampling, host)."""
+    return GENERATE_SECONDS.labels(_queue, phase)
 
 
 def redis_error(operation: str) -> Any:

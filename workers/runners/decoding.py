@@ -19,6 +19,7 @@ stop a sequence whose lease was lost, or count steps. The scheduling is the prod
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from batchery.workers.runners.sampling import GenParams, choose, new_generator
+from batchery.workers.runners.sampling import GenParams, Rows, choose, new_generator
 
 
 @dataclass(eq=False)
@@ -37,7 +38,8 @@ class Sequence:
     params: GenParams
     prompt_ids: list[int]
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded row's own, on the model's device
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | cancelled | deadline, once it ended
     text: str = ""                   # the decoded text, cut before a stop string
     sent: str = ""                   # the text already written to its stream
@@ -79,6 +81,9 @@ class DecodeBatch:
         self.model, self.device, self.pad_id = model, device, pad_id
         self.rows: list[Sequence] = []
         self.steps = 0          # decode steps run, for logs and tests
+        self.seconds = {"model": 0.0, "sampling": 0.0}  # spent in forward passes, in choosing tokens
+        self._params: Rows | None = None    # the rows' parameters as tensors, for these rows:
+        self._params_of: list[Sequence] = []  # rebuilt when they change
         self._cache: DynamicCache | None = None
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=device)
         self._pos = torch.zeros(0, dtype=torch.long, device=device)  # next position per row
@@ -114,16 +119,17 @@ class DecodeBatch:
         columns = width - p.done if max_tokens <= 0 else max(1, max_tokens // rows)
         end = min(width, p.done + columns)
         positions = (p.mask[:, :end].cumsum(dim=-1) - 1).clamp(min=0)[:, p.done:end]
+        started = time.perf_counter()
         out = self.model(input_ids=p.ids[:, p.done:end], attention_mask=p.mask[:, :end],
                          position_ids=positions, past_key_values=p.cache, use_cache=True,
                          logits_to_keep=1)
+        self.seconds["model"] += time.perf_counter() - started
         p.cache, p.done, p.chunks = out.past_key_values, end, p.chunks + 1
         if end < width:
             return None
         for s in p.seqs:
-            s.generator = s.generator or new_generator(s.params)
-        return choose(out.logits[:, -1, :].float().cpu(), [s.params for s in p.seqs],
-                      [s.generator for s in p.seqs])
+            s.generator = s.generator or new_generator(s.params, self.device)
+        return self._choose(out.logits[:, -1, :], p.seqs, self._rows_of(p.seqs))
 
     @torch.inference_mode()
     def join(self, p: Prefill, tokens: list[Any]) -> None:
@@ -149,15 +155,35 @@ class DecodeBatch:
 
     def _step(self) -> list[Any]:
         mask = torch.cat([self._mask, self._mask.new_ones(len(self.rows), 1)], dim=-1)
+        started = time.perf_counter()
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], past_key_values=self._cache,
                          use_cache=True)
-        tokens = choose(out.logits[:, -1, :].float().cpu(), [s.params for s in self.rows],
-                        [s.generator for s in self.rows])
+        self.seconds["model"] += time.perf_counter() - started
+        if self._params is None or self._params_of != self.rows:  # (by identity: eq=False)
+            self._params, self._params_of = self._rows_of(self.rows), list(self.rows)
+        tokens = self._choose(out.logits[:, -1, :], self.rows, self._params)
         self._cache, self._mask = out.past_key_values, mask
         self._pos = self._pos + 1
         self._last = self._feed(tokens)
         return tokens
+
+    def _rows_of(self, seqs: list[Sequence]) -> Rows:
+        return Rows.of([s.params for s in seqs], [s.generator for s in seqs],
+                       self.model.config.vocab_size, self.device)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], rows: Rows) -> list[Any]:
+        """Every row's next token (or its own error) in one call on the device; the
+        log-probabilities asked for go to their sequences."""
+        started = time.perf_counter()
+        penalized = rows.any_penalized
+        chosen = choose(logits, rows, [s.context for s in seqs] if penalized else None,
+                        [s.generated for s in seqs] if penalized else None)
+        for i, (mine, top) in chosen.logprobs.items():
+            if isinstance(chosen.tokens[i], int):
+                seqs[i].logprobs.append((chosen.tokens[i], mine, top))
+        self.seconds["sampling"] += time.perf_counter() - started
+        return chosen.tokens
 
     def _rollback(self, width: int) -> None:
         """Undo a step that raised midway: the layers it wrote keep their ``width`` columns."""

@@ -1,14 +1,20 @@
-"""Per-request generation parameters, and choosing the next token of each sequence.
+"""Per-request generation parameters, and choosing the next token of every row at once.
 
 An input is a prompt string, or an object with ``prompt`` (or ``text``) and any of
-``max_new_tokens``, ``stop``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and
-``stream``. Greedy unless ``temperature`` > 0; a seeded request draws from its own
-generator, so the same seed gives the same text.
+``max_new_tokens``, ``stop``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
+``logprobs`` and ``stream``. Greedy unless ``temperature`` > 0.
+
+Choosing (``choose``) is one set of tensor operations over the whole batch, on the
+model's device: each parameter is a per-row tensor, as in vLLM's sampler. Sampling draws
+``argmax(probs / q)`` with ``q ~ Exp(1)`` (the same law as drawing from ``probs``): the
+noise of a seeded row comes from its own generator, so a seed gives the same text
+whatever its batch-mates; unseeded rows share one draw. The host reads the tokens once
+per step.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +28,9 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 200
 # The lowest temperature that float32 logits of ordinary range survive (their spread / 1e-4
 # stays far below float32's 3e38); a lower one may fail its request (SamplingError).
 MIN_TEMPERATURE = 1e-4
-FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "seed",
+MAX_LOGPROBS = 20        # alternatives per token a request may ask for (OpenAI's bound)
+FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "min_p",
+          "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
           "stream")
 
 
@@ -34,12 +42,22 @@ class GenParams:
     temperature: float = 0.0        # 0: greedy
     top_p: float = 1.0              # nucleus: smallest set of tokens with this much probability
     top_k: int = 0                  # 0: no limit
-    seed: int | None = None         # None: a fresh random seed per run
+    min_p: float = 0.0              # drop tokens less likely than min_p x the likeliest
+    repetition_penalty: float = 1.0  # > 1: tokens of the prompt and output less likely (CTRL's)
+    presence_penalty: float = 0.0   # subtracted from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
+    seed: int | None = None         # None: drawn from the shared generator
+    logprobs: int | None = None     # None: none; N: each token's log-probability and N more
     stream: bool = False            # write each token to the request's Redis stream
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def holdback(self) -> int:
@@ -66,7 +84,13 @@ def parse_params(value: Any) -> GenParams:
                      temperature=_number(value, "temperature", 0.0, 0.0, 100.0),
                      top_p=_number(value, "top_p", 1.0, 0.0, 1.0, open_low=True),
                      top_k=_int(value, "top_k", 0, 0, 1_000_000),
+                     min_p=_number(value, "min_p", 0.0, 0.0, 1.0),
+                     repetition_penalty=_number(value, "repetition_penalty", 1.0, 0.0, 10.0,
+                                                open_low=True),
+                     presence_penalty=_number(value, "presence_penalty", 0.0, -2.0, 2.0),
+                     frequency_penalty=_number(value, "frequency_penalty", 0.0, -2.0, 2.0),
                      seed=_int(value, "seed", None, 0, 2**63 - 1),
+                     logprobs=_logprobs(value.get("logprobs")),
                      stream=_bool(value, "stream"))
 
 
@@ -98,6 +122,18 @@ def _bool(value: dict[str, Any], name: str) -> bool:
     return x
 
 
+def _logprobs(x: Any) -> int | None:
+    """None or false: none; true: the chosen token's; N: and the N likeliest."""
+    if x is None or x is False:
+        return None
+    if x is True:
+        return 0
+    if isinstance(x, int) and 0 <= x <= MAX_LOGPROBS:
+        return x
+    raise InputError(f"logprobs must be true, false or an integer 0..{MAX_LOGPROBS} (the "
+                     f"alternatives to list per token), got {x!r}")
+
+
 def _stops(stop: Any) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
@@ -107,53 +143,155 @@ def _stops(stop: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def new_generator(params: GenParams) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    return torch.Generator().manual_seed(seed)
-
-
 class SamplingError(InputError):
     """A row whose next-token logits or probabilities are not finite: its parameters (or
     the model, for its prompt) cannot give a token. Fails that request alone, not retried."""
 
 
-def choose(logits: torch.Tensor, params: list[GenParams],
-           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
-    """The next token of each row of ``logits`` [rows, vocab] (float32, on the CPU), or the
-    row's own error: nothing one row asks for can fail another."""
-    chosen: list[int | SamplingError] = list(logits.argmax(dim=-1).tolist())
-    broken = torch.isnan(logits).any(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        try:
-            if broken[row]:
-                raise SamplingError("the model's logits hold NaN")
-            if not p.greedy:
-                chosen[row] = _sample(logits[row], p, gen)
-        except Exception as exc:  # the row's own fault, whatever raised
-            chosen[row] = SamplingError(_explain(exc, p))
-    return chosen
+@dataclass
+class Rows:
+    """The batch's parameters as per-row tensors on the device, built once per batch
+    composition (rows join and leave between steps, not within)."""
+
+    params: list[GenParams]
+    temperature: torch.Tensor   # [rows, 1], 1 where greedy (never divides by 0)
+    greedy: torch.Tensor        # [rows] bool
+    top_k: torch.Tensor         # [rows, 1] long, the vocabulary where no limit
+    top_p: torch.Tensor         # [rows, 1]
+    min_p: torch.Tensor         # [rows, 1]
+    repetition: torch.Tensor    # [rows, 1]
+    presence: torch.Tensor      # [rows, 1]
+    frequency: torch.Tensor     # [rows, 1]
+    seeded: list[tuple[int, torch.Generator]]  # (row, its generator) for seeded rows
+    any_sampled: bool
+    any_truncated: bool         # some row has top_k or top_p
+    any_min_p: bool
+    any_penalized: bool
+    logprobs: int | None        # most alternatives a row asks for; None: no row asks
+
+    @classmethod
+    def of(cls, params: list[GenParams], generators: list[torch.Generator | None], vocab: int,
+           device: torch.device) -> Rows:
+        def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)[:, None]
+        sampled = [not p.greedy for p in params]
+        asks = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            params=params,
+            temperature=column([p.temperature if not p.greedy else 1.0 for p in params]),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            top_k=column([min(p.top_k, vocab) or vocab for p in params], torch.long),
+            top_p=column([p.top_p for p in params]), min_p=column([p.min_p for p in params]),
+            repetition=column([p.repetition_penalty for p in params]),
+            presence=column([p.presence_penalty for p in params]),
+            frequency=column([p.frequency_penalty for p in params]),
+            seeded=[(i, g) for i, g in enumerate(generators) if g is not None],
+            any_sampled=any(sampled),
+            any_truncated=any(s and (p.top_k or p.top_p < 1.0) for s, p in zip(sampled, params)),
+            any_min_p=any(s and p.min_p > 0 for s, p in zip(sampled, params)),
+            any_penalized=any(p.penalized for p in params),
+            logprobs=max(asks) if asks else None)
 
 
-def _explain(exc: Exception, p: GenParams) -> str:
-    return (f"this request's next-token probabilities are not finite ({exc}) with temperature "
-            f"{p.temperature!r}, top_p {p.top_p!r}, top_k {p.top_k!r}: a temperature this close "
-            f"to 0 overflows the logits; use 0 for greedy decoding or a temperature of at least "
-            f"{MIN_TEMPERATURE}")
+@dataclass
+class Chosen:
+    """A step's choice: per row its token or its own error, and the log-probabilities
+    asked for (row -> (its token's, [(token, logprob)] of the likeliest))."""
+
+    tokens: list[Any]
+    logprobs: dict[int, tuple[float, list[tuple[int, float]]]]
 
 
-def _sample(logits: torch.Tensor, p: GenParams, gen: torch.Generator | None) -> int:
-    scores = logits.float() / p.temperature
-    if p.top_k and p.top_k < scores.numel():
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        ordered, index = torch.sort(scores, descending=True)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - ordered.softmax(dim=-1) >= p.top_p  # keep the token that crosses it
-        scores = scores.scatter(0, index[drop], float("-inf"))
+def new_generator(params: GenParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A seeded row's own generator on the device; None: the row draws from the shared one."""
+    if params.greedy or params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def choose(logits: torch.Tensor, rows: Rows, history: list[list[int]] | None = None,
+           outputs: list[list[int]] | None = None) -> Chosen:
+    """The next token of every row of ``logits`` [rows, vocab] (on the model's device), or
+    the row's own SamplingError. ``history``: each row's prompt and output tokens, and
+    ``outputs`` its output tokens (read only when a row has a penalty)."""
+    raw = logits.float()
+    scores = _penalize(raw, rows, history or [], outputs or []) if rows.any_penalized else raw
+    tokens = scores.argmax(dim=-1)
+    bad = torch.isnan(scores).any(dim=-1)
+    if rows.any_sampled:
+        probs = _probabilities(scores / rows.temperature, rows)
+        drawn = (probs / _noise(probs, rows)).argmax(dim=-1)
+        tokens = torch.where(rows.greedy, tokens, drawn)
+        unusable = ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+        bad |= unusable & ~rows.greedy
+    picked, failed = tokens.tolist(), bad.tolist()  # the step's one read by the host
+    chosen: list[Any] = [SamplingError(_explain(p)) if f else t
+                         for t, f, p in zip(picked, failed, rows.params)]
+    return Chosen(chosen, _logprobs_of(raw, tokens, rows) if rows.logprobs is not None else {})
+
+
+def _explain(p: GenParams) -> str:
+    return (f"this request's next-token probabilities are not finite (temperature "
+            f"{p.temperature!r}, top_p {p.top_p!r}, top_k {p.top_k!r}, min_p {p.min_p!r}): a "
+            f"temperature this close to 0 overflows the logits, or the model's are NaN; use "
+            f"0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE}")
+
+
+def _penalize(scores: torch.Tensor, rows: Rows, history: list[list[int]],
+              outputs: list[list[int]]) -> torch.Tensor:
+    """Repetition penalty over prompt and output (logits divided if positive, multiplied
+    if negative), presence and frequency penalties over the output (subtracted), as vLLM
+    and OpenAI define them."""
+    seen = _counts(history, scores) > 0
+    counts = _counts(outputs, scores)
+    penalty = torch.where(scores > 0, 1 / rows.repetition, rows.repetition)
+    scores = torch.where(seen, scores * penalty, scores)
+    return scores - rows.presence * (counts > 0) - rows.frequency * counts
+
+
+def _counts(tokens: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab]: how often each row's list holds each token."""
+    width = max((len(t) for t in tokens), default=0)
+    counts = torch.zeros(like.shape[0], like.shape[1] + 1, device=like.device)
+    if width:  # padded with an extra column, cut off after counting
+        ids = torch.tensor([t + [like.shape[1]] * (width - len(t)) for t in tokens],
+                           dtype=torch.long, device=like.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :-1]
+
+
+def _probabilities(scores: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Softmax of the scores left by top-k, then top-p (one sort for both), then min-p."""
+    if rows.any_truncated:
+        ordered, index = scores.sort(dim=-1, descending=True)
+        rank = torch.arange(scores.shape[1], device=scores.device)[None, :]
+        ordered = ordered.masked_fill(rank >= rows.top_k, float("-inf"))
+        probs = ordered.softmax(dim=-1)
+        beyond = probs.cumsum(dim=-1) - probs >= rows.top_p  # keeps the token that crosses it
+        ordered = ordered.masked_fill(beyond, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(1, index, ordered)
     probs = scores.softmax(dim=-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-        raise SamplingError("inf or NaN after scaling")
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    if rows.any_min_p:
+        floor = rows.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _noise(probs: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Exp(1) noise: the shared generator's for every row, then each seeded row's own."""
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in rows.seeded:
+        q[row].exponential_(generator=generator)
+    return q
+
+
+def _logprobs_of(raw: torch.Tensor, tokens: torch.Tensor,
+                 rows: Rows) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """The model's log-probability of each chosen token, and of the likeliest, for the
+    rows that ask (one read for the batch)."""
+    logp = raw.log_softmax(dim=-1)
+    mine = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    top = logp.topk(max(1, rows.logprobs or 0), dim=-1)
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return {i: (mine[i], list(zip(ids[i], values[i]))[:p.logprobs])
+            for i, p in enumerate(rows.params) if p.logprobs is not None}

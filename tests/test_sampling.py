@@ -1,0 +1,116 @@
+"""Sampling for the whole batch at once, on a tiny random GPT-2: per-row parameters,
+seeds that do not depend on batch-mates, penalties, min-p, log-probabilities; and the
+worker's results carrying them, against a real Redis."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from batchery import Client
+from batchery.workers.runners import load_runner
+from batchery.workers.runners.sampling import Rows, choose, new_generator, parse_params
+from tests.generation_helpers import build_gpt2, generate_worker
+
+PROMPT = "The history of the city"
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_runner("generate", str(build_gpt2(tmp_path_factory.mktemp("gpt2"))), None, "cpu")
+
+
+def decode(runner: Any, requests: list[dict[str, Any]], steps: int) -> list[list[int]]:
+    """Each request's first ``steps`` + 1 tokens, all of them decoding in one batch."""
+    batch = runner.new_batch()
+    seqs = [runner.sequence(None, {"prompt": PROMPT, **r}) for r in requests]
+    for s, t in zip(seqs, batch.add(seqs)):
+        s.generated.append(t)  # (what the decode loop does: penalties read it)
+    for _ in range(steps):
+        for s, t in zip(seqs, batch.step()):
+            s.generated.append(t)
+    return [s.generated for s in seqs]
+
+
+def repeats(tokens: list[int]) -> int:
+    return len(tokens) - len(set(tokens))
+
+
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
+
+
+@pytest.mark.parametrize("mates", [
+    [],
+    [{"temperature": 0.7, "seed": 8}, {}],
+    [{}, {"temperature": 1.3, "top_k": 5}, {"repetition_penalty": 1.5}, {"temperature": 0.9}],
+])
+def test_a_seed_gives_the_same_tokens_whatever_its_batch_mates(runner, mates) -> None:
+    alone = decode(runner, [SEEDED], 20)[0]
+    assert decode(runner, [*mates, SEEDED], 20)[len(mates)] == alone
+    assert decode(runner, [{**SEEDED, "seed": 9}], 20)[0] != alone
+
+
+def test_top_k_1_and_min_p_1_sample_the_greedy_token(runner) -> None:
+    greedy, top1, min_p1 = decode(runner, [{}, {"temperature": 1.5, "top_k": 1},
+                                           {"temperature": 1.5, "min_p": 1.0}], 15)
+    assert top1 == greedy and min_p1 == greedy
+    free = decode(runner, [{"temperature": 1.5, "seed": 3}], 15)[0]
+    assert free != greedy  # sampling at that temperature does wander
+
+
+def test_penalties_make_greedy_decoding_repeat_less(runner) -> None:
+    plain, repetition, presence, frequency = decode(
+        runner, [{}, {"repetition_penalty": 5.0}, {"presence_penalty": 2.0},
+                 {"frequency_penalty": 2.0}], 30)
+    assert repeats(plain) > 10  # a random model loops on a few tokens
+    assert repeats(repetition) < repeats(plain) and repeats(presence) < repeats(plain)
+    assert repeats(frequency) < repeats(plain)
+
+
+def test_one_call_chooses_every_row_with_its_own_parameters() -> None:
+    """Below the model: rows of one logits tensor, each with its own parameters."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4)
+    params = [parse_params({"prompt": "x", **p}) for p in (
+        {}, {"temperature": 1.0, "top_k": 1, "seed": 1}, {"temperature": 5.0, "top_p": 0.01},
+        {"repetition_penalty": 10.0})]
+    rows = Rows.of(params, [new_generator(p) for p in params], 4, torch.device("cpu"))
+    history = [[], [], [], [1]]  # row 3 has seen token 1: 3.0 / 10 falls below 2.0
+    chosen = choose(logits, rows, history, [[], [], [], []])
+    assert chosen.tokens == [1, 1, 1, 3]
+
+
+@pytest.fixture
+def client(redis_url: str, queue_name: str, runner: Any) -> Iterator[Client]:
+    with generate_worker(redis_url, queue_name, runner), Client(redis_url, queue_name) as c:
+        yield c
+
+
+def test_results_carry_the_log_probabilities_asked_for(client) -> None:
+    top = client.enqueue({"prompt": PROMPT, "max_new_tokens": 6, "logprobs": 3})
+    plain = client.enqueue({"prompt": PROMPT, "max_new_tokens": 6, "min_p": 0.1,
+                            "temperature": 0.8, "presence_penalty": 0.5})
+    result = top.result(timeout=60).output
+    assert len(result["logprobs"]) == 6 and "logprobs" not in plain.result(timeout=60).output
+    for entry in result["logprobs"]:
+        assert len(entry["top"]) == 3 and entry["logprob"] <= 0
+        assert entry["top"][0]["id"] == entry["id"]  # greedy: the likeliest token
+        assert entry["top"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert [e["logprob"] for e in entry["top"]] == sorted((e["logprob"] for e in entry["top"]),
+                                                               reverse=True)
+    assert "".join(e["token"] for e in result["logprobs"]).replace(" ", "") == \
+        result["text"].replace(" ", "")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"min_p": 2}, "min_p must be a number at least 0.0 and at most 1.0"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a number more than 0.0"),
+    ({"presence_penalty": -3}, "presence_penalty must be a number at least -2.0"),
+    ({"frequency_penalty": "x"}, "frequency_penalty must be a number"),
+    ({"logprobs": 21}, "logprobs must be true, false or an integer 0..20"),
+])
+def test_invalid_sampling_parameters_are_refused_by_name(client, fields, message) -> None:
+    failed = client.enqueue({"prompt": "hi", **fields}).result(timeout=60)
+    assert failed.status == "error" and failed.error["type"] == "InputError"
+    assert message in failed.error["message"]
