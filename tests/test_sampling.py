@@ -114,3 +114,40 @@ def test_invalid_sampling_parameters_are_refused_by_name(client, fields, message
     failed = client.enqueue({"prompt": "hi", **fields}).result(timeout=60)
     assert failed.status == "error" and failed.error["type"] == "InputError"
     assert message in failed.error["message"]
+
+
+def test_rows_join_and_leave_the_cache_in_place_and_decode_as_alone(runner) -> None:
+    """Greedy tokens of sequences that join a running batch (wider prompts than the
+    running rows, and narrower), while others leave, are those each gets alone; the
+    cache buffers were copied whole only when they grew."""
+    prompts = ["a b", "The history of the city of Rome " * 4, "hello", "one two three four five"]
+
+    def alone(prompt: str) -> list[int]:
+        batch = runner.new_batch()
+        seq = runner.sequence(None, {"prompt": prompt, "max_new_tokens": 40})
+        return batch.add([seq]) + [batch.step()[0] for _ in range(25)]
+    expected = [alone(p) for p in prompts]
+    batch = runner.new_batch()
+    seqs = [runner.sequence(None, {"prompt": p, "max_new_tokens": 40}) for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def join(i: int) -> None:
+        got[i] = batch.add([seqs[i]])
+
+    def step() -> None:
+        for s, t in zip(list(batch.rows), batch.step()):
+            got[seqs.index(s)].append(t)
+    join(0)
+    for _ in range(5):
+        step()
+    join(1)  # wider: the window grows on the left
+    step()
+    join(2)
+    join(3)
+    for n in range(25):
+        step()
+        if n == 3:
+            batch.drop([seqs[0]])  # the last row moves into its place
+    assert [got[i][:len(expected[i])] for i in (1, 2, 3)] == expected[1:]
+    assert got[0] == expected[0][:len(got[0])]
+    assert batch.slab.copies <= 3

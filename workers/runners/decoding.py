@@ -1,14 +1,13 @@
-"""Iteration-level batching on transformers' DynamicCache: sequences join and leave
-between decode steps.
+"""Iteration-level batching: sequences join and leave between decode steps.
 
-The running sequences share one left-padded KV cache ``[rows, heads, length, dim]`` with
-an attention mask marking each row's real tokens, and each row keeps its own position
-counter, so padding never shifts a position. Newcomers are prefilled together (a chunk of
-columns at a time if the worker asks: a long prompt then does not stall the running rows
-for its whole prefill), their cache left-padded to the running one's length (or the other way round) and stacked
-under it; finished rows are cut out, and the columns no row needs any more are trimmed
-from the left. Compute and memory follow the rows times the longest row, not a paged
-cache: what a CPU or one GPU running a small model needs, in about a hundred lines.
+The running sequences share one left-padded KV cache, written in place (runners/kv_slab.py:
+a step writes one column per row, a newcomer's prefill cache is copied into a free row, a
+row that leaves is replaced by the last one), with an attention mask marking each row's
+real tokens; each row keeps its own position counter, so padding never shifts a position.
+Newcomers are prefilled together in a cache of their own (a chunk of columns at a time if
+the worker asks: a long prompt then does not stall the running rows for its whole
+prefill). Compute and memory follow the rows times the longest row, not a paged cache:
+what a CPU or one GPU running a small model needs.
 
 Why not transformers' ``ContinuousBatchingManager`` (5.x): it runs on the CPU with a small
 GPT-2 here, but one ``GenerationConfig`` serves all its requests (no per-request
@@ -24,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
+from batchery.workers.runners.kv_slab import Slab
 from batchery.workers.runners.sampling import GenParams, Rows, choose, new_generator
 
 
@@ -82,12 +81,11 @@ class DecodeBatch:
         self.rows: list[Sequence] = []
         self.steps = 0          # decode steps run, for logs and tests
         self.seconds = {"model": 0.0, "sampling": 0.0}  # spent in forward passes, in choosing tokens
-        self._params: Rows | None = None    # the rows' parameters as tensors, for these rows:
-        self._params_of: list[Sequence] = []  # rebuilt when they change
-        self._cache: DynamicCache | None = None
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.slab = Slab(model.config, device)  # the running rows' KV cache, written in place
         self._pos = torch.zeros(0, dtype=torch.long, device=device)  # next position per row
         self._last = torch.zeros(0, dtype=torch.long, device=device)  # last token per row
+        self._params: Rows | None = None    # the rows' parameters as tensors, for these rows:
+        self._params_of: list[Sequence] = []  # rebuilt when they change
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -133,40 +131,43 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def join(self, p: Prefill, tokens: list[Any]) -> None:
-        """Stack a finished prefill under the running rows (copying the cache), each row
-        with ``tokens``, its next token, to feed."""
-        self._stack(p.cache, p.mask, p.seqs, p.mask.sum(dim=-1), self._feed(tokens))
+        """Copy a finished prefill's cache into the running rows' free rows, each row with
+        ``tokens``, its next token, to feed."""
+        pos, last = torch.cat([self._pos, p.mask.sum(dim=-1)]), torch.cat([self._last, self._feed(tokens)])
+        self.slab.add([(layer.keys, layer.values) for layer in p.cache.layers], p.mask)
+        self.rows, self._pos, self._last = self.rows + p.seqs, pos, last
 
     @torch.inference_mode()
     def step(self) -> list[Any]:
         """One decode step of every row: each row's next token, or its own error. A step
         that raises is bisected: each half of the rows steps apart, down to the row that
         raises alone, which gets the error; the others have their token as usual."""
-        width = self._mask.shape[1]
-        try:
-            tokens = self._step()
-        except Exception as exc:  # the model or the cache raised for some row(s)
-            self._rollback(width)
-            if len(self.rows) == 1:
-                return [exc]
-            tokens = self._bisect()
+        self.slab.open_column()
+        if self._params is None or self._params_of != self.rows:  # (by identity: eq=False)
+            self._params, self._params_of = self._rows_of(self.rows), list(self.rows)
+        tokens = self._step(0, len(self.rows))
+        self.slab.close_column()
+        self._pos = self._pos + 1
+        self._last = self._feed(tokens)
         self.steps += 1
         return tokens
 
-    def _step(self) -> list[Any]:
-        mask = torch.cat([self._mask, self._mask.new_ones(len(self.rows), 1)], dim=-1)
-        started = time.perf_counter()
-        out = self.model(input_ids=self._last[:, None], attention_mask=mask,
-                         position_ids=self._pos[:, None], past_key_values=self._cache,
-                         use_cache=True)
-        self.seconds["model"] += time.perf_counter() - started
-        if self._params is None or self._params_of != self.rows:  # (by identity: eq=False)
-            self._params, self._params_of = self._rows_of(self.rows), list(self.rows)
-        tokens = self._choose(out.logits[:, -1, :], self.rows, self._params)
-        self._cache, self._mask = out.past_key_values, mask
-        self._pos = self._pos + 1
-        self._last = self._feed(tokens)
-        return tokens
+    def _step(self, a: int, b: int) -> list[Any]:
+        """Rows [a, b) through the model and the sampler; halves apart if that raises."""
+        try:
+            started = time.perf_counter()
+            out = self.model(input_ids=self._last[a:b, None],
+                             attention_mask=self.slab.window(a, b, extra=1),
+                             position_ids=self._pos[a:b, None],
+                             past_key_values=self.slab.use(a, b), use_cache=True)
+            self.seconds["model"] += time.perf_counter() - started
+            rows = self._params if (a, b) == (0, len(self.rows)) else self._rows_of(self.rows[a:b])
+            return self._choose(out.logits[:, -1, :], self.rows[a:b], rows)
+        except Exception as exc:  # the model raised for some row(s): its columns are rewritten
+            if b - a == 1:
+                return [exc]
+            middle = (a + b) // 2
+            return self._step(a, middle) + self._step(middle, b)
 
     def _rows_of(self, seqs: list[Sequence]) -> Rows:
         return Rows.of([s.params for s in seqs], [s.generator for s in seqs],
@@ -185,58 +186,24 @@ class DecodeBatch:
         self.seconds["sampling"] += time.perf_counter() - started
         return chosen.tokens
 
-    def _rollback(self, width: int) -> None:
-        """Undo a step that raised midway: the layers it wrote keep their ``width`` columns."""
-        for layer in self._layers(self._cache):
-            if layer.keys is not None and layer.keys.shape[-2] > width:
-                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-
-    def _bisect(self) -> list[Any]:
-        """Step each half of the rows apart (recursively, so a row that raises ends up
-        alone), then put them back together in their order."""
-        half = len(self.rows) // 2
-        parts = [self._take(range(half)), self._take(range(half, len(self.rows)))]
-        tokens = parts[0].step() + parts[1].step()
-        self.rows, self._cache = [], None
-        for part in parts:
-            self._stack(part._cache, part._mask, part.rows, part._pos, part._last)
-        return tokens
-
-    def _take(self, rows: range) -> DecodeBatch:
-        """Some rows as a batch of their own (their cache copied)."""
-        part = DecodeBatch(self.model, self.device, self.pad_id)
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
-        part.rows = [self.rows[i] for i in rows]
-        part._mask, part._pos, part._last = self._mask[index], self._pos[index], self._last[index]
-        part._cache = DynamicCache(config=self.model.config)
-        for i, layer in enumerate(self._layers(self._cache)):
-            part._cache.update(layer.keys[index], layer.values[index], i)
-        return part
-
     def _feed(self, tokens: list[Any]) -> torch.Tensor:
         """The tokens to feed next (padding for a row that failed: it leaves the batch)."""
         return torch.tensor([t if isinstance(t, int) else self.pad_id for t in tokens],
                             dtype=torch.long, device=self.device)
 
+    @torch.inference_mode()
     def drop(self, leaving: list[Sequence]) -> None:
-        """Cut rows out of the batch, and the cache columns that only they needed."""
-        gone = {id(s) for s in leaving}
-        keep = [i for i, s in enumerate(self.rows) if id(s) not in gone]
-        if len(keep) == len(self.rows):
+        """Take rows out of the batch (the last rows move into their places)."""
+        ids = {id(s) for s in leaving}
+        gone = {i for i, s in enumerate(self.rows) if id(s) in ids}
+        if not gone:
             return
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self._cache, self._mask = None, self._mask[:0, :0]
-            self._pos, self._last = self._pos[:0], self._last[:0]
-            return
-        index = torch.tensor(keep, device=self.device)
-        self._mask, self._pos, self._last = self._mask[index], self._pos[index], self._last[index]
-        first = int(self._mask.any(dim=0).int().argmax())  # columns left of it are all padding
-        self._mask = self._mask[:, first:]
-        for layer in self._layers(self._cache):
-            layer.keys = layer.keys[index, :, first:]
-            layer.values = layer.values[index, :, first:]
+        order = self.slab.remove(gone)
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in order]
+        self._pos, self._last = self._pos[index], self._last[index]
 
+    @torch.inference_mode()
     def shrink(self, p: Prefill, leaving: list[Sequence]) -> None:
         """Cut rows out of a prefill under way."""
         gone = {id(s) for s in leaving}
@@ -249,34 +216,6 @@ class DecodeBatch:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
 
-    def _stack(self, cache: DynamicCache, mask: torch.Tensor, rows: list[Sequence],
-               pos: torch.Tensor, last: torch.Tensor) -> None:
-        """Put rows (their cache, mask, next positions and tokens to feed) under the
-        running ones. All is built before anything changes: a failure leaves the batch as
-        it was."""
-        if self._cache is None:
-            self._cache, self._mask, self.rows, self._pos, self._last = cache, mask, list(rows), pos, last
-            return
-        width = max(self._mask.shape[1], mask.shape[1])
-        stacked = [(torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)]),
-                    torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)]))
-                   for old, new in zip(self._layers(self._cache), self._layers(cache))]
-        joined_mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
-        joined_pos, joined_last = torch.cat([self._pos, pos]), torch.cat([self._last, last])
-        for layer, (keys, values) in zip(self._layers(self._cache), stacked):
-            layer.keys, layer.values = keys, values
-        self._mask, self._pos, self._last = joined_mask, joined_pos, joined_last
-        self.rows = self.rows + list(rows)
-
     @staticmethod
     def _layers(cache: DynamicCache | None) -> list[Any]:
         return list(cache.layers) if cache is not None else []
-
-
-def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zeros before ``tensor`` along ``dim`` up to ``width``."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    pad = [0, 0] * (tensor.dim() - 1 - dim) + [missing, 0]
-    return F.pad(tensor, pad)
