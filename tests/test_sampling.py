@@ -11,7 +11,8 @@ import torch
 
 from batchery import Client
 from batchery.workers.runners import load_runner
-from batchery.workers.runners.sampling import Rows, choose, new_generator, parse_params
+from batchery.workers.runners.sampling import (Rows, nucleus_floor, choose, new_generator,
+                                                parse_params)
 from tests.generation_helpers import build_gpt2, generate_worker
 
 PROMPT = "The history of the city"
@@ -151,3 +152,15 @@ def test_rows_join_and_leave_the_cache_in_place_and_decode_as_alone(runner) -> N
     assert [got[i][:len(expected[i])] for i in (1, 2, 3)] == expected[1:]
     assert got[0] == expected[0][:len(got[0])]
     assert batch.slab.copies <= 3
+
+
+@pytest.mark.parametrize("spread", [0.1, 1.0, 4.0])  # flat (a random model), middling, peaked
+def test_top_p_finds_the_same_cut_as_sorting_the_vocabulary(spread) -> None:
+    torch.manual_seed(0)
+    probs = (torch.randn(6, 30522) * spread).softmax(dim=-1)
+    top_p = torch.tensor([[0.95], [0.5], [0.99], [0.1], [1.0], [0.9]])
+    floor = nucleus_floor(probs, top_p)
+    ordered = probs.sort(dim=-1, descending=True).values
+    crossing = ((ordered.cumsum(dim=-1) - ordered) < top_p).sum(dim=-1, keepdim=True)
+    exact = torch.where(top_p < 1, ordered.gather(1, crossing - 1), torch.zeros_like(top_p))
+    assert torch.equal(floor, exact)

@@ -6,11 +6,11 @@ An input is a prompt string, or an object with ``prompt`` (or ``text``) and any 
 ``logprobs`` and ``stream``. Greedy unless ``temperature`` > 0.
 
 Choosing (``choose``) is one set of tensor operations over the whole batch, on the
-model's device: each parameter is a per-row tensor, as in vLLM's sampler. Sampling draws
-``argmax(probs / q)`` with ``q ~ Exp(1)`` (the same law as drawing from ``probs``): the
-noise of a seeded row comes from its own generator, so a seed gives the same text
-whatever its batch-mates; unseeded rows share one draw. The host reads the tokens once
-per step.
+model's device: each parameter is a per-row tensor, as in vLLM's sampler. Sampling
+inverts each row's cumulative distribution at one uniform draw: a seeded row's draw comes
+from its own generator, so a seed gives the same text whatever its batch-mates; unseeded
+rows share one call. Top-p finds each row's cut from a few candidates instead of sorting
+the vocabulary (``nucleus_floor``). The host reads the tokens once per step.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 200
 # The lowest temperature that float32 logits of ordinary range survive (their spread / 1e-4
 # stays far below float32's 3e38); a lower one may fail its request (SamplingError).
 MIN_TEMPERATURE = 1e-4
+# Candidates that settle top-p without sorting the vocabulary: the likeliest HEAD hold top_p
+# in a peaked distribution, the least likely TAIL hold the 1 - top_p dropped in a flat one.
+HEAD, TAIL = 256, 4096
 MAX_LOGPROBS = 20        # alternatives per token a request may ask for (OpenAI's bound)
 FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "min_p",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
@@ -165,6 +168,8 @@ class Rows:
     seeded: list[tuple[int, torch.Generator]]  # (row, its generator) for seeded rows
     any_sampled: bool
     any_truncated: bool         # some row has top_k or top_p
+    top_k_max: int              # the largest top_k that limits a row (0: none does)
+    any_top_p: bool
     any_min_p: bool
     any_penalized: bool
     logprobs: int | None        # most alternatives a row asks for; None: no row asks
@@ -188,6 +193,9 @@ class Rows:
             seeded=[(i, g) for i, g in enumerate(generators) if g is not None],
             any_sampled=any(sampled),
             any_truncated=any(s and (p.top_k or p.top_p < 1.0) for s, p in zip(sampled, params)),
+            top_k_max=max((p.top_k for s, p in zip(sampled, params) if s and 0 < p.top_k < vocab),
+                          default=0),
+            any_top_p=any(s and p.top_p < 1.0 for s, p in zip(sampled, params)),
             any_min_p=any(s and p.min_p > 0 for s, p in zip(sampled, params)),
             any_penalized=any(p.penalized for p in params),
             logprobs=max(asks) if asks else None)
@@ -217,13 +225,14 @@ def choose(logits: torch.Tensor, rows: Rows, history: list[list[int]] | None = N
     raw = logits.float()
     scores = _penalize(raw, rows, history or [], outputs or []) if rows.any_penalized else raw
     tokens = scores.argmax(dim=-1)
-    bad = torch.isnan(scores).any(dim=-1)
+    bad = torch.isnan(scores.sum(dim=-1))  # (NaN anywhere in the row)
     if rows.any_sampled:
         probs = _probabilities(scores / rows.temperature, rows)
-        drawn = (probs / _noise(probs, rows)).argmax(dim=-1)
-        tokens = torch.where(rows.greedy, tokens, drawn)
-        unusable = ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
-        bad |= unusable & ~rows.greedy
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, _uniform(rows, probs.device) * total)
+        tokens = torch.where(rows.greedy, tokens, drawn[:, 0].clamp(max=probs.shape[1] - 1))
+        bad |= ~(torch.isfinite(total[:, 0]) & (total[:, 0] > 0)) & ~rows.greedy
     picked, failed = tokens.tolist(), bad.tolist()  # the step's one read by the host
     chosen: list[Any] = [SamplingError(_explain(p)) if f else t
                          for t, f, p in zip(picked, failed, rows.params)]
@@ -261,28 +270,58 @@ def _counts(tokens: list[list[int]], like: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(scores: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """Softmax of the scores left by top-k, then top-p (one sort for both), then min-p."""
-    if rows.any_truncated:
-        ordered, index = scores.sort(dim=-1, descending=True)
-        rank = torch.arange(scores.shape[1], device=scores.device)[None, :]
-        ordered = ordered.masked_fill(rank >= rows.top_k, float("-inf"))
-        probs = ordered.softmax(dim=-1)
-        beyond = probs.cumsum(dim=-1) - probs >= rows.top_p  # keeps the token that crosses it
-        ordered = ordered.masked_fill(beyond, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(1, index, ordered)
+    """Unnormalized probabilities left by top-k, then top-p, then min-p (0 where dropped)."""
     probs = scores.softmax(dim=-1)
+    if rows.any_truncated:
+        if rows.top_k_max:  # each row's k-th likeliest token and those above it stay
+            kth = probs.topk(rows.top_k_max, dim=-1).values
+            kth = kth.gather(1, rows.top_k.clamp(max=rows.top_k_max) - 1)
+            probs = probs.masked_fill((probs < kth) & (rows.top_k < probs.shape[1]), 0.0)
+        if rows.any_top_p:
+            probs = probs.masked_fill(probs < nucleus_floor(probs, rows.top_p), 0.0)
     if rows.any_min_p:
-        floor = rows.min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs.masked_fill(probs < rows.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
 
-def _noise(probs: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """Exp(1) noise: the shared generator's for every row, then each seeded row's own."""
-    q = torch.empty_like(probs).exponential_()
+def nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: the probability of the token whose mass crosses ``top_p`` (tokens at least
+    as likely stay), without sorting the vocabulary where candidates settle it: the
+    likeliest HEAD tokens when they hold ``top_p`` (a real model's peaked distribution), or
+    the TAIL least likely when they hold the ``1 - top_p`` dropped (a flat one). A row
+    that neither settles is sorted whole."""
+    vocab = probs.shape[1]
+    total = probs.sum(dim=-1, keepdim=True)
+    keep, drop = top_p * total, (1 - top_p) * total
+    floor = torch.zeros_like(total)  # top_p 1: keep all
+    head = probs.topk(min(HEAD, vocab), dim=-1).values
+    mass = head.cumsum(dim=-1)
+    crossing = (mass - head < keep).sum(dim=-1, keepdim=True).clamp(1, head.shape[1])
+    settled = (mass[:, -1:] >= keep) | (top_p >= 1)
+    floor = torch.where(settled & (top_p < 1), head.gather(1, crossing - 1), floor)
+    if bool(settled.all()):
+        return floor
+    tail = probs.topk(min(TAIL, vocab), dim=-1, largest=False, sorted=False).values.sort(dim=-1).values
+    mass = tail.cumsum(dim=-1)
+    dropped = (mass <= drop).sum(dim=-1, keepdim=True).clamp(max=tail.shape[1] - 1)
+    in_tail = ~settled & (mass[:, -1:] > drop)
+    floor = torch.where(in_tail, tail.gather(1, dropped), floor)
+    settled |= in_tail
+    if bool(settled.all()):
+        return floor
+    ordered = probs.sort(dim=-1, descending=True).values
+    mass = ordered.cumsum(dim=-1)
+    crossing = (mass - ordered < keep).sum(dim=-1, keepdim=True).clamp(1, vocab)
+    return torch.where(settled, floor, ordered.gather(1, crossing - 1))
+
+
+def _uniform(rows: Rows, device: torch.device) -> torch.Tensor:
+    """[rows, 1] uniform in (0, 1]: the shared generator's for every row, then each seeded
+    row's own (so its draw does not depend on its batch-mates)."""
+    u = 1 - torch.rand(len(rows.params), 1, device=device)
     for row, generator in rows.seeded:
-        q[row].exponential_(generator=generator)
-    return q
+        u[row] = 1 - torch.rand(1, generator=generator, device=device)
+    return u
 
 
 def _logprobs_of(raw: torch.Tensor, tokens: torch.Tensor,
