@@ -164,3 +164,17 @@ def test_top_p_finds_the_same_cut_as_sorting_the_vocabulary(spread) -> None:
     crossing = ((ordered.cumsum(dim=-1) - ordered) < top_p).sum(dim=-1, keepdim=True)
     exact = torch.where(top_p < 1, ordered.gather(1, crossing - 1), torch.zeros_like(top_p))
     assert torch.equal(floor, exact)
+
+
+def test_incremental_text_is_the_whole_decode_from_short_windows(runner, monkeypatch) -> None:
+    seq = runner.sequence(None, {"prompt": PROMPT, "max_new_tokens": 60, "stream": True})
+    tokens = decode(runner, [{"temperature": 1.0, "seed": 5}], 59)[0]
+    widths = []
+    text = runner.text
+    monkeypatch.setattr(runner, "text", lambda ids: widths.append(len(ids)) or text(ids))
+    pieces = []
+    for i, token in enumerate(tokens):
+        seq.generated.append(token)
+        pieces.append(runner.text_delta(seq, final=i == len(tokens) - 1))
+    assert "".join(pieces) == text(tokens)
+    assert max(widths) <= 4  # never the whole text again

@@ -322,20 +322,27 @@ class DecodeLoop:
             self._commit(ended, failed)
 
     def _append(self, s: Sequence, token: int) -> None:
+        """Add the token; a row that streams or has stop strings decodes only what the
+        token adds (runner.text_delta) and looks for its stops in the new tail alone."""
         p = s.params
         if token in self.runner.eos_ids:
             s.finish_reason = "stop"
         else:
             s.generated.append(token)
-        if p.stop or p.stream or s.finish_reason:
-            s.text = self.runner.text(s.generated)
-        if p.stop:
-            cut = min((i for i in (s.text.find(stop) for stop in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                s.text, s.finish_reason = s.text[:cut], "stop"
+        if p.stop or p.stream:
+            before = len(s.text)
+            last = s.finish_reason is not None or len(s.generated) >= p.max_new_tokens
+            s.text += self.runner.text_delta(s, final=last)
+            if p.stop and len(s.text) > before:
+                tail = max(0, before - max(len(stop) for stop in p.stop) + 1)
+                cut = min((i for i in (s.text.find(stop, tail) for stop in p.stop) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    s.text, s.finish_reason = s.text[:cut], "stop"
         if s.finish_reason is None and len(s.generated) >= p.max_new_tokens:
             s.finish_reason = "length"
-            s.text = s.text if p.stop or p.stream else self.runner.text(s.generated)
+        if s.finish_reason and not (p.stop or p.stream):
+            s.text = self.runner.text(s.generated)
 
     def _stream(self, s: Sequence) -> None:
         """Write the new text, less a trailing half character (a byte-level token may

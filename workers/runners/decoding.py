@@ -42,6 +42,8 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | cancelled | deadline, once it ended
     text: str = ""                   # the decoded text, cut before a stop string
     sent: str = ""                   # the text already written to its stream
+    decoded_from: int = 0            # incremental decoding: the window's first token,
+    decoded_to: int = 0              # and the end of what ``text`` holds of it
 
     @property
     def reserved(self) -> int:

@@ -52,6 +52,21 @@ class GenerateRunner(HFRunner):
     def text(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def text_delta(self, s: Sequence, final: bool = False) -> str:
+        """The text ``s``'s newest tokens add to what it has (incremental detokenization,
+        as TGI and vLLM do it): two short windows decoded instead of the whole text. The
+        window starts at the token before the last ones emitted, so that spacing and
+        merges between tokens come out as a whole decode gives them; a window that ends
+        inside a character (a byte-level token) waits for the next token, unless
+        ``final``."""
+        ids = s.generated
+        before = self.text(ids[s.decoded_from:s.decoded_to])
+        after = self.text(ids[s.decoded_from:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            s.decoded_from, s.decoded_to = s.decoded_to, len(ids)
+            return after[len(before):]
+        return ""
+
     def prepare(self, inputs: list[Any]) -> Prepared:
         params = [parse_params(v) for v in inputs]
         prompts, new_tokens = [p.prompt for p in params], [p.max_new_tokens for p in params]
