@@ -72,13 +72,28 @@ class Request:
 
 
 def check_id(value: Any) -> str:
+    return check_name(value, "request id")
+
+
+def check_name(value: Any, what: str, most: int = MAX_ID_LENGTH) -> str:
+    """The one rule for names a caller gives (request ids, a job line's custom_id): a
+    string (or an integer, read as its digits) of 1 to ``most`` characters, valid UTF-8
+    (no lone surrogates, which a non-UTF-8 file name or argv decodes to), no control
+    characters. Redis keys are made of them and are never rewritten, so two names can
+    never become one key."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidRequest(f"request id must be a string, got {type(value).__name__}")
+        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}")
     text = str(value)
-    if not text or len(text) > MAX_ID_LENGTH:
-        raise InvalidRequest(f"request id must be 1-{MAX_ID_LENGTH} characters, got {len(text)}")
+    if not text or len(text) > most:
+        raise InvalidRequest(f"{what} must be 1-{most} characters, got {len(text)}")
     if _CONTROL.search(text):
-        raise InvalidRequest(f"request id {text[:40]!r} holds control characters")
+        raise InvalidRequest(f"{what} {text[:40]!r} holds control characters; remove them")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} {text[:40]!r} is not valid Unicode (it holds a lone "
+                             "surrogate, as a name decoded from bytes that are not UTF-8 "
+                             "does); give it as UTF-8 text") from None
     return text
 
 
@@ -213,12 +228,18 @@ def _frozen(cls: type, fields: dict[str, Any]) -> Any:
 
 def stored_body(payload: str | None) -> tuple[dict[str, Any], str | None]:
     """A stored request's JSON object, and None; or {} and why it cannot run (missing,
-    not JSON)."""
+    not JSON, not an object)."""
     try:
         body = loads(payload) if payload else None
     except ValueError as exc:
         return {}, f"its stored request is not JSON ({exc})"
-    return (body, None) if isinstance(body, dict) else ({}, "its stored request is missing")
+    if body is None:
+        return {}, "its stored request is missing"
+    if not isinstance(body, dict):
+        return {}, f"its stored request is not a JSON object (a {type(body).__name__})"
+    if "input" not in body:
+        return body, "its stored request has no input"
+    return body, None
 
 
 def stored_trace(payload: str | None) -> Any:
@@ -250,12 +271,33 @@ class Claimed:
     trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
 
     @classmethod
-    def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
+    def decode(cls, id: str, payload: str | None, sched: str | None, failures: str | None,
                token: str) -> "Claimed":
-        tokens, expire, enqueued, rank, priority, client = sched.split(":", 5)
-        body, invalid = stored_body(payload)
-        return _frozen(cls, {
-            "id": id, "input": body.get("input"), "meta": body.get("meta"),
-            "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued), "expire_ms": int(expire),
-            "priority": priority, "attempt": int(failures or 0) + 1, "lease_token": token,
-            "invalid": invalid, "rank": int(rank), "client": client, "trace": body.get("trace")})
+        """The claimed request, or, whatever is wrong with what Redis holds for it (its
+        stored JSON, its schedule entry, its attempt count), one marked ``invalid`` with
+        the reason: never an exception, so the claim's other requests and every lease it
+        took reach the worker (the per-request boundary of a claim)."""
+        try:
+            tokens, expire, enqueued, rank, priority, client = (sched or "").split(":", 5)
+            body, invalid = stored_body(payload)
+            meta = body.get("meta")
+            if invalid is None and meta is not None and not isinstance(meta, dict):
+                invalid = f"its stored meta is not a JSON object (a {type(meta).__name__})"
+            return _frozen(cls, {
+                "id": id, "input": body.get("input"), "meta": meta if invalid is None else None,
+                "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued),
+                "expire_ms": int(expire), "priority": priority,
+                "attempt": int(failures or 0) + 1, "lease_token": token, "invalid": invalid,
+                "rank": int(rank), "client": client, "trace": body.get("trace")})
+        except Exception as exc:  # the boundary: anything one request holds fails it alone
+            return cls(id=id, input=None, meta=None, tokens=1, enqueued_ms=0, expire_ms=0,
+                       priority="normal", attempt=_attempt(failures), lease_token=token,
+                       invalid=f"its stored state cannot be read ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})")
+
+
+def _attempt(failures: Any) -> int:
+    try:
+        return int(failures or 0) + 1
+    except (TypeError, ValueError):
+        return 1
