@@ -139,8 +139,8 @@ class Claimer(threading.Thread):
         self._unanswered = token
         reply = self._claim(token, max_size, max_tokens, max_wait_ms)
         self._unanswered = None
+        self.leases.add(reply.expired + reply.batch)  # first: nothing after it loses a lease
         tracing.claimed(self.queue.name, self.options.worker_id, reply)
-        self.leases.add(reply.expired + reply.batch)
         invalid = [r for r in reply.batch if r.invalid]
         if reply.expired or invalid:
             self.on_final(Executed(reply.now_ms, [
