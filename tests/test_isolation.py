@@ -22,7 +22,7 @@ from batchery.connection import RedisSettings
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
-from tests.conftest import ROOT, cli_env, run_cli
+from tests.conftest import ROOT, cli_env, examples, run_cli
 
 DEEP = 100_000  # nesting far past the interpreter's recursion limit
 
@@ -122,6 +122,7 @@ names = st.one_of(
 
 
 @given(names)
+@settings(max_examples=examples(200))
 def test_the_name_rule_accepts_only_utf8_text_without_control_characters(value: Any) -> None:
     text = str(value)
     valid = (0 < len(text) <= 512 and not any(ord(c) < 32 for c in text)
@@ -151,7 +152,7 @@ def test_ids_never_merge_nor_get_anothers_result(redis_url: str, queue_name: str
 
     with Client(redis_url, queue_name) as client:
         @given(st.lists(names, min_size=1, max_size=4, unique_by=str))
-        @settings(max_examples=60, deadline=None,
+        @settings(max_examples=examples(60), deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture])
         def enqueue(ids: list[Any]) -> None:
             fresh = [i for i in ids if str(i) not in accepted]
@@ -302,7 +303,7 @@ def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
         requests_key = client.queue.first.keys.requests
 
         @given(st.lists(planted, min_size=1, max_size=4))
-        @settings(max_examples=40, deadline=None,
+        @settings(max_examples=examples(40), deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
         def run(payloads: list[bytes]) -> None:
             handles = client.enqueue_many([{"input": f"good {i}"} for i in range(6 + len(payloads))])
