@@ -57,7 +57,8 @@ def answered(served: tuple, handles: list) -> list:
     """Every accepted request ends with a result that says what happened; the worker lives."""
     _, worker, log = served
     results = [h.result(timeout=120) for h in handles]
-    for result in results:
+    for handle, result in zip(handles, results):
+        assert result.id == handle.id  # never another request's result
         assert result.status in ("ok", "error", "expired"), result
         if result.status == "ok":
             assert len(result.output) == 384
