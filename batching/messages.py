@@ -191,18 +191,30 @@ class Result:
         return self.status == OK
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "Result":
-        data = loads(raw)
-        if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
-            return _frozen(cls, data)
-        return cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+    def from_json(cls, raw: str | bytes, request_id: str | None = None) -> "Result":
+        """The result stored as ``raw``. Text that is no result (written by something
+        other than a worker) raises ValueError, or, given the ``request_id`` it is stored
+        under, is that request's result with status "error" saying so: one unreadable
+        result never fails the read of others."""
+        result = _result(loads(raw) if request_id is None else _loads_or_none(raw))
+        if result is not None:
+            return result
+        if request_id is None:
+            raise ValueError(f"not a stored result: {str(raw)[:80]!r}")
+        return cls(id=request_id, status=ERROR, error={
+            "type": "ResultUnreadable", "message": "the result stored for this request is not "
+            "one a worker wrote (something else overwrote it); enqueue the request again"})
 
     @classmethod
     def from_json_many(cls, raws: list[str]) -> list["Result"]:
-        """``[Result.from_json(r) for r in raws]``, decoded together (codec.loads_many)."""
-        return [_frozen(cls, data) if data.keys() == _RESULT_KEYS else
-                cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
-                for data in loads_many(raws)]
+        """The results pushed onto a reply list, decoded together (codec.loads_many); an
+        entry that is no result (not a worker's) is left out: its request's waiter reads
+        the result under its id instead."""
+        try:
+            decoded = loads_many(raws)
+        except ValueError:
+            decoded = [_loads_or_none(r) for r in raws]
+        return [r for r in map(_result, decoded) if r is not None]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,6 +225,26 @@ class Result:
 
 _RESULT_FIELDS = tuple(Result.__dataclass_fields__)
 _RESULT_KEYS = set(_RESULT_FIELDS)
+
+
+def _result(data: Any) -> Result | None:
+    """A decoded result object as a Result; None when it is not one (no string id and
+    status)."""
+    if not isinstance(data, dict):
+        return None
+    if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
+        return _frozen(Result, data) if isinstance(data["id"], str) and isinstance(
+            data["status"], str) else None
+    if not isinstance(data.get("id"), str) or not isinstance(data.get("status"), str):
+        return None
+    return Result(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+
+
+def _loads_or_none(raw: Any) -> Any:
+    try:
+        return loads(raw)
+    except ValueError:
+        return None
 
 
 def _frozen(cls: type, fields: dict[str, Any]) -> Any:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchery import AsyncClient, Client, InvalidRequest
+from batchery import AsyncClient, Client, InvalidRequest, Result
 from batchery.batching.codec import loads
 from batchery.batching.messages import check_name
 from batchery.connection import RedisSettings
@@ -322,3 +322,28 @@ def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
                     assert result.ok and result.output == {"echo": f"good {i}"}, result
             assert client.queue.stats()["inflight"] == 0 and client.queue.stats()["pending"] == 0
         run()
+
+
+# -- results read back ------------------------------------------------------------------------
+def test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter(redis_url: str,
+                                                                       queue_name: str) -> None:
+    import threading
+    with Client(redis_url, queue_name) as client:
+        first = client.enqueue("first")
+        drain(redis_url, queue_name)
+        assert first.result(timeout=10).ok  # the reply listener runs
+        store, keys = client.queue.client, client.queue.first.keys
+        store.rpush(keys.reply(client.client_id), b"\xff\xfe", "5", '{"id": 1}', deep_json(DEEP))
+        handles = client.enqueue_many([{"input": f"text {i}"} for i in range(5)])
+        drain(redis_url, queue_name)
+        assert [h.result(timeout=10).output for h in handles] == [{"echo": f"text {i}"}
+                                                                for i in range(5)]
+        assert any(t.name == "batchery-replies" and t.is_alive() for t in threading.enumerate())
+        assert store.llen(keys.reply(client.client_id)) == 0
+        # a result key overwritten by something else: that request's own error
+        store.set(keys.result(handles[2].id), "not a result")
+        store.set(keys.result(handles[3].id), Result(handles[3].id, "ok", 3).to_json())
+        found = client.queue.lookup([handles[2].id, handles[3].id])
+        assert found[0].id == handles[2].id and found[0].error["type"] == "ResultUnreadable"
+        assert found[1] == Result(handles[3].id, "ok", 3)
+        assert client.get(handles[2].id).status == "error"
