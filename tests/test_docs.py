@@ -1,14 +1,129 @@
-"""The documentation site: it builds with --strict (no broken link, no missing page)."""
+"""The documentation: the site builds with --strict (no broken link, no missing page), and
+every shell and Python block of README.md and docs/**/*.md runs as shown.
+
+A block is run unless a comment right before it says why not:
+``<!-- not run in tests: needs Docker -->``. The blocks of one page run in order in one
+bash session (a Python block as ``python -``), in a fresh directory, with
+BATCHERY_REDIS_URL pointing at a private Redis database emptied before the page; a command ending
+in ``&`` (a worker, the dashboard) runs in the background until the page ends, and must
+still be running then. What a reader would type against their own machine is rewritten
+to the test's: the Redis URLs ``redis://localhost:6379/0`` and ``redis://127.0.0.1:6379/0``,
+the dashboard's port 8480 and the metrics port 9100 become free ones. A command that
+changed and a page that did not so fail here: an unknown option exits 2, and ``set -e``
+stops the page there.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from tests.conftest import ROOT
+import pytest
+import redis
+
+from tests.conftest import ROOT, RedisServer, free_port
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+SHELL = {"bash", "sh", "shell"}
+PYTHON = {"python", "py"}
+# Languages of blocks that are shown, not run: what they hold is not a command.
+SHOWN = {"text", "json", "jsonl", "yaml", "toml", "mermaid", "promql", "lua", "ini"}
+FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[^`\n]*)\n(?P<body>.*?)^(?P=indent)```[ ]*$",
+                   re.M | re.S)
+REASON = re.compile(r"<!--\s*not run in tests:\s*(?P<why>.*?)\s*-->\s*\Z", re.S)
+BACKGROUND = re.compile(r"(?<![&|])&\s*(#.*)?$")  # `cmd &` or `cmd &  # comment`, not `&&`
+PAGE_TIMEOUT_S = 240
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    body: str
+    reason: str | None  # why it is not run; None: it runs
+
+    @property
+    def where(self) -> str:
+        shown = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page.name
+        return f"{shown}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """Every fenced block of a page, with the reason it is not run if one precedes it."""
+    text = page.read_text()
+    found, end = [], 0
+    for match in FENCE.finditer(text):
+        before = text[end:match.start()]
+        reason = REASON.search(before)
+        indent = len(match["indent"])
+        body = "".join(line[indent:] for line in match["body"].splitlines(keepends=True))
+        found.append(Block(page, text.count("\n", 0, match.start()) + 1,
+                           match["lang"].strip().split(" ")[0], body,
+                           reason["why"] if reason else None))
+        end = match.end()
+    return found
+
+
+def runnable(page: Path) -> list[Block]:
+    return [b for b in blocks(page) if b.lang in SHELL | PYTHON and b.reason is None]
+
+
+def page_script(page_blocks: list[Block], substitutions: dict[str, str]) -> str:
+    """One bash script running the blocks in order; background commands tracked."""
+    lines = ["set -euo pipefail", "DOCS_BG=()",
+             'trap \'[ ${#DOCS_BG[@]} -eq 0 ] || { kill "${DOCS_BG[@]}" 2>/dev/null; wait; }\' EXIT']
+    for block in page_blocks:
+        body = block.body
+        for old, new in substitutions.items():
+            body = body.replace(old, new)
+        lines.append(f'echo "$(date +%T.%N | cut -c1-12) >>> {block.where}" >&2')
+        if block.lang in PYTHON:
+            lines += ["python - <<'DOCS_PYTHON_BLOCK'", body.rstrip("\n"), "DOCS_PYTHON_BLOCK"]
+            continue
+        for line in body.rstrip("\n").splitlines():
+            lines.append(line)
+            if BACKGROUND.search(line):
+                lines.append("DOCS_BG+=($!)")
+    lines += ['for pid in "${DOCS_BG[@]}"; do',
+              '  kill -0 "$pid" 2>/dev/null || { echo "a background command ended early" >&2; exit 1; }',
+              "done"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def docs_redis() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+def run_page(page_blocks: list[Block], redis_url: str, workdir: Path) -> subprocess.CompletedProcess:
+    dashboard_port, metrics_port = free_port(), free_port()
+    substitutions = {"redis://localhost:6379/0": redis_url, "redis://127.0.0.1:6379/0": redis_url,
+                     "127.0.0.1:8480": f"127.0.0.1:{dashboard_port}",
+                     "--metrics-port 9100": f"--metrics-port {metrics_port}",
+                     "127.0.0.1:9100": f"127.0.0.1:{metrics_port}"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BATCHERY_", "OTEL_")) and k != "REDIS_URL"}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+               BATCHERY_REDIS_URL=redis_url, BATCHERY_HOME=str(workdir / ".home"),
+               BATCHERY_DASHBOARD_PORT=str(dashboard_port),
+               # a worker times its model at start to choose its batch size: seconds that
+               # say nothing about the page; a fixed size skips it
+               BATCHERY_MAX_BATCH_SIZE="8",
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NO_MKDOCS_2_WARNING="1")
+    script = page_script(page_blocks, substitutions)
+    return subprocess.run(["bash", "-c", script], cwd=workdir, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=PAGE_TIMEOUT_S)
 
 
 def test_site_builds_strict(tmp_path: Path) -> None:
@@ -18,10 +133,75 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert build.returncode == 0, build.stderr[-4000:]
-    assert (tmp_path / "site" / "reference" / "cli" / "index.html").exists()
     # the CLI reference is generated from the click commands, the API from the docstrings
     cli_page = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     assert "--max-batch-tokens" in cli_page and "batchery queue config" in cli_page
     api_page = (tmp_path / "site" / "reference" / "python-api" / "index.html").read_text()
     assert "enqueue_many" in api_page
     assert time.monotonic() - started < 60, "the docs build should stay well under a minute"
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    unknown = [f"{b.where}: ```{b.lang or '(no language)'}" for page in PAGES
+               for b in blocks(page) if b.lang not in SHELL | PYTHON | SHOWN]
+    assert not unknown, ("every fenced block names its language (bash, python: run unless a "
+                         "'<!-- not run in tests: WHY -->' comes right before it; or one that "
+                         f"is only shown: {sorted(SHOWN)}):\n" + "\n".join(unknown))
+    empty = [b.where for page in PAGES for b in blocks(page) if b.reason == ""]
+    assert not empty, f"'not run in tests' without a reason: {empty}"
+    assert sum(len(runnable(page)) for page in PAGES) >= 20, "the docs' examples are run"
+
+
+EXAMPLE_PAGES = [p for p in PAGES if runnable(p)]
+# Pages run two at a time (each in a Redis database of its own): most of a page's time is
+# processes starting (torch, a model, a tokenizer), which overlap well.
+PARALLEL_PAGES = 2
+
+
+@pytest.fixture(scope="module")
+def page_runs(request: pytest.FixtureRequest, docs_redis: RedisServer,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[Path, subprocess.CompletedProcess]:
+    """Every selected page's examples, run once for the module."""
+    selected = {item.callspec.params["page"] for item in request.session.items
+                if item.originalname == "test_page_examples_run"}
+    pages = [p for p in EXAMPLE_PAGES if p in selected]
+    assert len(pages) < 16, "one Redis database per page: 16 at most"
+
+    def run(numbered: tuple[int, Path]) -> tuple[Path, subprocess.CompletedProcess]:
+        db, page = numbered
+        redis.Redis(port=docs_redis.port, db=db).flushdb()
+        url = f"redis://127.0.0.1:{docs_redis.port}/{db}"
+        return page, run_page(runnable(page), url, tmp_path_factory.mktemp("page"))
+
+    with ThreadPoolExecutor(PARALLEL_PAGES) as pool:
+        return dict(pool.map(run, enumerate(pages)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_examples_run(page: Path, page_runs: dict[Path, subprocess.CompletedProcess]) -> None:
+    done = page_runs[page]
+    assert done.returncode == 0, (f"an example of {page.relative_to(ROOT)} failed (exit "
+                                  f"{done.returncode}); the last block started is the last "
+                                  f"'>>>' line:\n{done.stdout[-6000:]}")
+
+
+# -- the runner itself --------------------------------------------------------------------
+def test_runner_fails_a_page_whose_command_changed(docs_redis: RedisServer, tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("Set it:\n\n```bash\nbatchery queue config q --max-pending 5\n"
+                    "batchery queue config q --max-pendin 5\n```\n")
+    done = run_page(runnable(page), docs_redis.url, tmp_path)
+    assert done.returncode == 2 and "No such option" in done.stdout, done.stdout
+
+
+def test_runner_reads_reasons_and_background_commands(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- not run in tests: needs Kubernetes -->\n```bash\nkubectl apply\n```\n\n"
+                    "```bash\nsleep 30 &   # in the background\ntrue && echo ok\n```\n\n"
+                    "```text\nshown\n```\n")
+    found = blocks(page)
+    assert [b.reason for b in found] == ["needs Kubernetes", None, None]
+    assert runnable(page) == [found[1]]
+    script = page_script(runnable(page), {})
+    assert script.count("DOCS_BG+=($!)") == 1
