@@ -6,7 +6,7 @@ enqueue (producer/cli.py), offline jobs (producer/jobs/cli.py), the worker
 (workers/cli.py), the dashboard (dashboard/cli.py). What they share is in
 batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
 line on stderr and exit with their code (the table is in batchery/errors.py and the
-README); never a traceback.
+docs/reference/errors.md); never a traceback.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _hidden(command: click.Command) -> click.Command:
 
 for command in (queue_group, request_group, job_group, enqueue, worker, dashboard):
     cli.add_command(command)
-# The short form of `batchery job submit`, shown in the README.
+# The short form of `batchery job submit`, shown in the docs.
 cli.add_command(job_group.commands["submit"], "submit")
 # Former names, kept for scripts written before `batchery queue` and `batchery job`.
 cli.add_command(_hidden(stats), "stats")
