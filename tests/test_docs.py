@@ -79,7 +79,8 @@ def runnable(page: Path) -> list[Block]:
 def page_script(page_blocks: list[Block], substitutions: dict[str, str]) -> str:
     """One bash script running the blocks in order; background commands tracked."""
     lines = ["set -euo pipefail", "DOCS_BG=()",
-             'trap \'[ ${#DOCS_BG[@]} -eq 0 ] || { kill "${DOCS_BG[@]}" 2>/dev/null; wait; }\' EXIT']
+             "trap '[ ${#DOCS_BG[@]} -eq 0 ] || "
+             "{ kill \"${DOCS_BG[@]}\" 2>/dev/null; wait; }' EXIT"]
     for block in page_blocks:
         body = block.body
         for old, new in substitutions.items():
@@ -93,7 +94,8 @@ def page_script(page_blocks: list[Block], substitutions: dict[str, str]) -> str:
             if BACKGROUND.search(line):
                 lines.append("DOCS_BG+=($!)")
     lines += ['for pid in "${DOCS_BG[@]}"; do',
-              '  kill -0 "$pid" 2>/dev/null || { echo "a background command ended early" >&2; exit 1; }',
+              '  kill -0 "$pid" 2>/dev/null ||',
+              '    { echo "a background command ended early" >&2; exit 1; }',
               "done"]
     return "\n".join(lines) + "\n"
 
@@ -105,7 +107,8 @@ def docs_redis() -> Iterator[RedisServer]:
     server.close()
 
 
-def run_page(page_blocks: list[Block], redis_url: str, workdir: Path) -> subprocess.CompletedProcess:
+def run_page(page_blocks: list[Block], redis_url: str,
+             workdir: Path) -> subprocess.CompletedProcess:
     dashboard_port, metrics_port = free_port(), free_port()
     substitutions = {"redis://localhost:6379/0": redis_url, "redis://127.0.0.1:6379/0": redis_url,
                      "127.0.0.1:8480": f"127.0.0.1:{dashboard_port}",
