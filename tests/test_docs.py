@@ -1,5 +1,6 @@
-"""The documentation: the site builds with --strict (no broken link, no missing page), and
-every shell and Python block of README.md and docs/**/*.md runs as shown.
+"""The documentation: the site builds with --strict (no broken link, no missing page),
+every shell and Python block of README.md and docs/**/*.md runs as shown, and every
+`batchery ...` the prose names is a command and options batchery has.
 
 A block is run unless a comment right before it says why not:
 ``<!-- not run in tests: needs Docker -->``. The blocks of one page run in order in one
@@ -15,6 +16,7 @@ stops the page there.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -25,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import click
 import pytest
 import redis
 
+from batchery.cli import cli
 from tests.conftest import ROOT, RedisServer, free_port
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -189,6 +193,49 @@ def test_page_examples_run(page: Path, page_runs: dict[Path, subprocess.Complete
                                   f"'>>>' line:\n{done.stdout[-6000:]}")
 
 
+def command_mentions(page: Path) -> Iterator[tuple[list[str], str]]:
+    """`batchery ...` in the prose of a page (blocks are run instead), one argv for each
+    alternative a span names (`batchery queue pause|resume QUEUE`)."""
+    text = FENCE.sub("", page.read_text())
+    for span in re.findall(r"`(batchery\s[^`]*)`", text.replace("\n", " ")):
+        span = span.replace("\\|", "|")  # a | escaped in a table
+        words = [w.strip("[]") for w in span.split()]
+        if not re.fullmatch(r"[a-z][a-z-]*|-.*", words[1]):
+            continue  # not a command: `batchery | 0, 1 executing` is rq info's output
+        choices = [w.split("|") if not w.startswith("-") else [w] for w in words[:4]]
+        for head in itertools.product(*choices):
+            yield [*head, *words[4:]], span
+
+
+def unknown_names(argv: list[str]) -> list[str]:
+    """The commands and options of argv that `batchery` does not have."""
+    command: click.Command = cli
+    known = {"--help"}
+    rest = argv[1:]
+    while True:
+        options = {o: p for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        known |= set(options)
+        while isinstance(command, click.Group) and rest and rest[0] in options:
+            takes_value = not getattr(options[rest[0]], "is_flag", False)
+            rest = rest[1 + takes_value:]  # a group's option before its command
+        if not isinstance(command, click.Group) or not rest or rest[0].startswith("-"):
+            break
+        sub = command.commands.get(rest[0])
+        if sub is None:
+            return [rest[0]]
+        command, rest = sub, rest[1:]
+    return [w.split("=")[0] for w in rest if re.fullmatch(r"--?[a-z][a-z-]*(=.*)?", w)
+            and w.split("=")[0] not in known]
+
+
+def test_commands_named_in_the_prose_exist() -> None:
+    wrong = [f"{page.relative_to(ROOT)}: `{span}`: no {', '.join(unknown)}"
+             for page in PAGES for argv, span in command_mentions(page)
+             if (unknown := unknown_names(argv))]
+    assert not wrong, "commands or options the pages name that batchery lacks:\n" + \
+        "\n".join(wrong)
+
+
 # -- the runner itself --------------------------------------------------------------------
 def test_runner_fails_a_page_whose_command_changed(docs_redis: RedisServer, tmp_path: Path) -> None:
     page = tmp_path / "page.md"
@@ -208,3 +255,11 @@ def test_runner_reads_reasons_and_background_commands(tmp_path: Path) -> None:
     assert runnable(page) == [found[1]]
     script = page_script(runnable(page), {})
     assert script.count("DOCS_BG+=($!)") == 1
+
+
+def test_a_renamed_command_or_option_in_the_prose_is_found() -> None:
+    assert unknown_names(["batchery", "queue", "config", "Q", "--max-pendin", "5"]) == \
+        ["--max-pendin"]
+    assert unknown_names(["batchery", "queue", "stat"]) == ["stat"]
+    assert unknown_names(["batchery", "--log-level", "DEBUG", "worker", "-q", "x",
+                          "--max-batch-size=8"]) == []
