@@ -16,13 +16,15 @@ stops the page there.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -128,9 +130,20 @@ def run_page(page_blocks: list[Block], redis_url: str,
                BATCHERY_MAX_BATCH_SIZE="8",
                HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", NO_MKDOCS_2_WARNING="1")
     script = page_script(page_blocks, substitutions)
-    return subprocess.run(["bash", "-c", script], cwd=workdir, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          timeout=PAGE_TIMEOUT_S)
+    # its own process group: on a timeout the page's background commands go with it
+    proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=PAGE_TIMEOUT_S)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output, code = output + f"\n(the page ran past {PAGE_TIMEOUT_S} s)", 124
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever the page left behind
+    return subprocess.CompletedProcess(proc.args, code, output)
 
 
 def test_site_builds_strict(tmp_path: Path) -> None:
@@ -167,27 +180,31 @@ PARALLEL_PAGES = 2
 
 @pytest.fixture(scope="module")
 def page_runs(request: pytest.FixtureRequest, docs_redis: RedisServer,
-              tmp_path_factory: pytest.TempPathFactory) -> dict[Path, subprocess.CompletedProcess]:
-    """Every selected page's examples, run once for the module."""
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Future]]:
+    """Every selected page's examples, started in order PARALLEL_PAGES at a time; each
+    test waits for its own page (so each page's time counts against its own test)."""
     selected = {item.callspec.params["page"] for item in request.session.items
                 if item.originalname == "test_page_examples_run"}
     pages = [p for p in EXAMPLE_PAGES if p in selected]
     assert len(pages) < 16, "one Redis database per page: 16 at most"
 
-    def run(numbered: tuple[int, Path]) -> tuple[Path, subprocess.CompletedProcess]:
-        db, page = numbered
+    def run(db: int, page: Path) -> subprocess.CompletedProcess:
         redis.Redis(port=docs_redis.port, db=db).flushdb()
         url = f"redis://127.0.0.1:{docs_redis.port}/{db}"
-        return page, run_page(runnable(page), url, tmp_path_factory.mktemp("page"))
+        return run_page(runnable(page), url, tmp_path_factory.mktemp("page"))
 
-    with ThreadPoolExecutor(PARALLEL_PAGES) as pool:
-        return dict(pool.map(run, enumerate(pages)))
+    pool = ThreadPoolExecutor(PARALLEL_PAGES)
+    try:
+        yield {page: pool.submit(run, db, page) for db, page in enumerate(pages)}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(PAGE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_examples_run(page: Path, page_runs: dict[Path, subprocess.CompletedProcess]) -> None:
-    done = page_runs[page]
+def test_page_examples_run(page: Path, page_runs: dict[Path, Future]) -> None:
+    done = page_runs[page].result()
     assert done.returncode == 0, (f"an example of {page.relative_to(ROOT)} failed (exit "
                                   f"{done.returncode}); the last block started is the last "
                                   f"'>>>' line:\n{done.stdout[-6000:]}")
