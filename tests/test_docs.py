@@ -210,6 +210,14 @@ def test_page_examples_run(page: Path, page_runs: dict[Path, Future]) -> None:
                                   f"'>>>' line:\n{done.stdout[-6000:]}")
 
 
+def test_readme_links_resolve() -> None:
+    """mkdocs checks the links of docs/; the README's (into docs/) are checked here."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert len(targets) >= 20 and not missing, f"README.md links to missing files: {missing}"
+
+
 def command_mentions(page: Path) -> Iterator[tuple[list[str], str]]:
     """`batchery ...` in the prose of a page (blocks are run instead), one argv for each
     alternative a span names (`batchery queue pause|resume QUEUE`)."""
