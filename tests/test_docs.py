@@ -5,9 +5,9 @@ every shell and Python block of README.md and docs/**/*.md runs as shown, and ev
 A block is run unless a comment right before it says why not:
 ``<!-- not run in tests: needs Docker -->``. The blocks of one page run in order in one
 bash session (a Python block as ``python -``), in a fresh directory, with
-BATCHERY_REDIS_URL pointing at a private Redis database emptied before the page; a command ending
-in ``&`` (a worker, the dashboard) runs in the background until the page ends, and must
-still be running then. What a reader would type against their own machine is rewritten
+BATCHERY_REDIS_URL pointing at a private Redis database emptied before the page; a
+command ending in ``&`` (a worker, the dashboard) runs in the background until the page
+ends, and must still be running then. What a reader would type against their own machine is rewritten
 to the test's: the Redis URLs ``redis://localhost:6379/0`` and ``redis://127.0.0.1:6379/0``,
 the dashboard's port 8480 and the metrics port 9100 become free ones. A command that
 changed and a page that did not so fail here: an unknown option exits 2, and ``set -e``
@@ -43,7 +43,7 @@ PYTHON = {"python", "py"}
 SHOWN = {"text", "json", "jsonl", "yaml", "toml", "mermaid", "promql", "lua", "ini"}
 FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[^`\n]*)\n(?P<body>.*?)^(?P=indent)```[ ]*$",
                    re.M | re.S)
-REASON = re.compile(r"<!--\s*not run in tests:\s*(?P<why>.*?)\s*-->\s*\Z", re.S)
+REASON = re.compile(r"<!--\s*not run in tests:\s*(?P<why>(?:(?!-->).)*?)\s*-->\s*\Z", re.S)
 BACKGROUND = re.compile(r"(?<![&|])&\s*(#.*)?$")  # `cmd &` or `cmd &  # comment`, not `&&`
 PAGE_TIMEOUT_S = 240
 
@@ -274,10 +274,11 @@ def test_runner_reads_reasons_and_background_commands(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("<!-- not run in tests: needs Kubernetes -->\n```bash\nkubectl apply\n```\n\n"
                     "```bash\nsleep 30 &   # in the background\ntrue && echo ok\n```\n\n"
-                    "```text\nshown\n```\n")
+                    "```text\nshown\n```\n"
+                    "<!-- not run in tests: far away --> prose <!-- other -->\n```bash\ntrue\n```\n")
     found = blocks(page)
-    assert [b.reason for b in found] == ["needs Kubernetes", None, None]
-    assert runnable(page) == [found[1]]
+    assert [b.reason for b in found] == ["needs Kubernetes", None, None, None]
+    assert runnable(page) == [found[1], found[3]]
     script = page_script(runnable(page), {})
     assert script.count("DOCS_BG+=($!)") == 1
 
