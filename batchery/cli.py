@@ -6,7 +6,7 @@ enqueue (producer/cli.py), offline jobs (producer/jobs/cli.py), the worker
 (workers/cli.py), the dashboard (dashboard/cli.py). What they share is in
 batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
 line on stderr and exit with their code (the table is in batchery/errors.py and the
-README); never a traceback.
+docs/reference/errors.md); never a traceback.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def redis_stop(as_json: bool) -> None:
 
 for command in (queue_group, request_group, job_group, enqueue, worker, dashboard):
     cli.add_command(command)
-# The short form of `batchery job submit`, shown in the README. (The first wave's other
+# The short form of `batchery job submit`, shown in the docs. (The first wave's other
 # top-level names, stats, dead, status, results, cancel and jobs-worker, were dropped
 # before the first release: `batchery queue ...` and `batchery job ...` are the names.)
 cli.add_command(job_group.commands["submit"], "submit")

@@ -81,7 +81,7 @@ class BatcheryGroup(click.Group):
             sys.exit(EXIT_REDIS)
         except redis.exceptions.NoPermissionError as exc:
             click.echo(f"error: Redis refused a command to this user ({exc}); give the ACL "
-                       "user the rights README's 'Least privilege' lists for this role",
+                       "user the rights the docs' 'Least privilege' page lists for this role",
                        err=True)
             sys.exit(EXIT_REDIS)
         except redis.OutOfMemoryError as exc:
