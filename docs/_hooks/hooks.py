@@ -109,6 +109,11 @@ def on_config(config: Any) -> Any:
     return config
 
 
+# Also when mkdocs loads this file, before any plugin's on_config: mkdocstrings' handler
+# drops a search path that does not exist yet (a fresh clone has no build/).
+copy_tree()
+
+
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     for name, make in GENERATED.items():
         marker = f"<!-- generated: {name} -->"
