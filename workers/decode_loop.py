@@ -12,7 +12,7 @@ from typing import Any, Callable
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
-from batchery.workers import metrics, tracing
+from batchery.workers import metrics, scheduler, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Executed, Outcome, failure
 from batchery.workers.leases import Leases, report_redis_error
@@ -96,8 +96,8 @@ class DecodeLoop:
 
     def _room(self, held: list[Sequence]) -> tuple[int, int]:
         """Sequences and cache tokens still free beside ``held``."""
-        return (self.options.max_batch_size - len(held),
-                self.options.max_batch_tokens - sum(s.reserved for s in held))
+        return scheduler.room(map(_entry, held), scheduler.Budget(
+            self.options.max_batch_size, self.options.max_batch_tokens))
 
     def _claim(self, burst: bool) -> bool | None:
         """Claim into the room left, or the queue's head alone when it is more urgent than
@@ -163,50 +163,30 @@ class DecodeLoop:
         return seq
 
     def _admit(self) -> None:
-        """Start prefilling what waits, most urgent first, while it fits (preempting less
-        urgent running sequences for it); the rest waits for room."""
-        self.waiting.sort(key=_rank)
-        slots, tokens = self._room(self._running())
-        joining: list[Sequence] = []
-        while self.waiting:
-            s = self.waiting[0]
-            busy = bool(self.batch.rows or self.prefilling or joining)  # an empty batch takes anything
-            if busy and (slots < 1 or s.reserved > tokens):
-                freed = self._preempt(s, 1 - slots, s.reserved - tokens)
-                if freed is None:
-                    break
-                slots, tokens = slots + freed[0], tokens + freed[1]
-            joining.append(self.waiting.pop(0))
-            slots, tokens = slots - 1, tokens - s.reserved
+        """Start prefilling what waits and preempt for it, as the scheduler decides
+        (workers/scheduler.py: most urgent first, while it fits, pausing less urgent
+        decoding rows for a more urgent newcomer); the rest waits for room."""
+        decision = scheduler.admit([_entry(s) for s in self.waiting],
+                                   [_entry(s) for s in self._running()],
+                                   [_entry(s) for s in self._running_rows()],
+                                   scheduler.Budget(self.options.max_batch_size,
+                                                    self.options.max_batch_tokens),
+                                   busy=bool(self.batch.rows or self.prefilling))
+        if decision.preempt:  # their cache is cut after the newcomers' first token
+            self._preempting += decision.preempt
+            self.preempted += len(decision.preempt)
+            log.info("preempted %d sequence(s) for more urgent request(s)", len(decision.preempt))
+        started = {id(s) for s in decision.start}
+        self.waiting = sorted((s for s in self.waiting + decision.preempt if id(s) not in started),
+                              key=_rank)
         # each priority class in its own prefill, most urgent first: a realtime newcomer's
         # first token does not wait for a long batch-class prompt claimed with it
-        for _, group in itertools.groupby(joining, key=lambda s: s.key.request.priority):
+        for _, group in itertools.groupby(decision.start, key=lambda s: s.key.request.priority):
             seqs = list(group)
             for s in seqs:
                 s.key.started = s.key.started or time.perf_counter()
             self.prefilling.append(self.batch.start(seqs))
         self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
-
-    def _preempt(self, s: Sequence, slots: int, tokens: int) -> tuple[int, int] | None:
-        """Free ``slots`` sequences and ``tokens`` of cache for ``s`` from decoding rows
-        less urgent than it, least urgent first: (slots, tokens) freed, or None (and
-        nothing preempted) if they cannot make room. The preempted wait, leased, to be
-        prefilled again from their prompt and what they generated."""
-        chosen, got_slots, got_tokens = [], 0, 0
-        for victim in sorted(self._running_rows(), key=_rank, reverse=True):
-            if got_slots >= slots and got_tokens >= tokens or _rank(victim) <= _rank(s):
-                break
-            chosen.append(victim)
-            got_slots, got_tokens = got_slots + 1, got_tokens + victim.reserved
-        if got_slots < slots or got_tokens < tokens:
-            return None
-        self._preempting += chosen  # their cache is cut after the newcomer's first token
-        self.waiting += chosen
-        self.waiting.sort(key=_rank)
-        self.preempted += len(chosen)
-        log.info("preempted %d sequence(s) for %s request %s", len(chosen),
-                 s.key.request.priority, s.key.request.id)
-        return got_slots, got_tokens
 
     def _prefill(self) -> None:
         """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
@@ -441,6 +421,10 @@ class DecodeLoop:
             self.streams.flush()
         except Exception as exc:  # streams are best effort; results are not
             log.warning("writing token streams failed: %s", exc)
+
+
+def _entry(s: Sequence) -> scheduler.Entry:
+    return scheduler.Entry(s, _rank(s), s.reserved)
 
 
 def _rank(s: Sequence) -> int:
