@@ -16,12 +16,12 @@ from batchery.workers import metrics, scheduler, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Executed, Outcome, failure
 from batchery.workers.leases import Leases, report_redis_error
+from batchery.workers.lookout import Lookout
 from batchery.workers.loop import _retrying
 from batchery.workers.results import ResultWriter
 from batchery.workers.runners.decoding import Prefill, Sequence
 
 log = logging.getLogger(__name__)
-LEASE_CHECK_S = 0.05  # how often running sequences are checked for cancellation
 RETRY_CAP_S = 5.0
 
 
@@ -49,11 +49,18 @@ class DecodeLoop:
         # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
         self._preempting: list[Sequence] = []
         self.streams = StreamWriter(queue_.client, queue_.keys_for)
-        self._checked = time.monotonic()
         self._claim_backoff, self._claim_after = 0.1, 0.0
         self._spent: dict[str, float] = {}  # the batch's seconds by phase, as last counted
+        self.lookout = Lookout(queue_)  # the head's rank and the leases, read off the step's path
 
     def run(self, stop: Any, burst: bool) -> None:
+        self.lookout.start()
+        try:
+            self._run(stop, burst)
+        finally:
+            self.lookout.stop()
+
+    def _run(self, stop: Any, burst: bool) -> None:
         handed_back = False
         while True:
             started = time.perf_counter()
@@ -140,11 +147,7 @@ class DecodeLoop:
         (and than what already waits for room)?"""
         if not self.batch.rows:
             return False
-        try:
-            head = self.queue.head_rank()
-        except Exception as exc:  # cannot tell now: the next step will
-            log.debug("reading the queue's head failed: %s", exc)
-            return False
+        head = self.lookout.head
         least = max(_rank(s) for s in self.batch.rows)
         return head is not None and head < least and (not self.waiting or head < _rank(self.waiting[0]))
 
@@ -376,16 +379,13 @@ class DecodeLoop:
     def _check_leases(self) -> None:
         """Stop sequences whose lease is gone: cancelled (their stream ends here), or taken
         over by another worker after a stall (that worker's run restarts the stream)."""
-        if time.monotonic() - self._checked < LEASE_CHECK_S:
-            return
-        self._checked = time.monotonic()
         held = self._running() + self.waiting
-        try:
-            owners = self.queue.holders([s.key.request.id for s in held])
-        except Exception as exc:  # cannot tell now: the next check will
-            log.debug("lease check failed: %s", exc)
+        self.lookout.watch([s.key.request.id for s in held])
+        owners = self.lookout.owners()
+        if owners is None:
             return
-        lost = [(s, owner) for s, owner in zip(held, owners) if owner != s.key.request.lease_token]
+        read = [(s, owners[s.key.request.id]) for s in held if s.key.request.id in owners]
+        lost = [(s, owner) for s, owner in read if owner != s.key.request.lease_token]
         if not lost:
             return
         gone = [s for s, _ in lost]

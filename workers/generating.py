@@ -20,9 +20,10 @@ committed by the ResultWriter while the batch decodes on.
 The decoding is batchery's own loop on transformers' DynamicCache, not transformers'
 ContinuousBatchingManager: runners/decoding.py says why.
 
-Leases: the heartbeat renews them while sequences run; between steps (every 50 ms,
-workers/decode_loop.py) the worker checks it still holds them, so a cancelled request
-stops within a step or two and frees its room. A claimed request with no room yet (the
+Leases: the heartbeat renews them while sequences run; a thread of the loop's own
+(workers/lookout.py) reads every 50 ms who holds them, and the queue's head every 20 ms,
+off the step's path; between steps the loop stops what it no longer holds, so a
+cancelled request stops within a step or two and frees its room. A claimed request with no room yet (the
 claim always takes the head, whatever its size) waits in ``waiting`` under its lease.
 
 SIGTERM: stop claiming, hand requests claimed but never started back to the queue,
