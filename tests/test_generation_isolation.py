@@ -189,3 +189,23 @@ def test_a_non_finite_row_fails_alone_in_the_batch_itself() -> None:
     chosen = choose(logits, rows).tokens
     assert chosen[0] == int(logits[0].argmax()) and isinstance(chosen[2], int)
     assert isinstance(chosen[1], SamplingError)
+
+
+def test_out_of_memory_in_a_step_halves_the_batch_and_loses_nothing(
+        runner, expected, redis_url, queue_name, client) -> None:
+    """The model runs out of memory on decode steps of more than 4 rows: the step gets
+    through in halves, the worker then keeps at most 4 in flight, pausing the least
+    urgent; every request finishes whole on its first attempt."""
+    def oom_over_4(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs["input_ids"].shape == (kwargs["input_ids"].shape[0], 1) \
+                and kwargs["input_ids"].shape[0] > 4:
+            raise MemoryError("cannot allocate a decode step of more than 4 rows")
+    with generate_worker(redis_url, queue_name, runner) as worker:
+        hook = runner._model.register_forward_pre_hook(oom_over_4, with_kwargs=True)
+        try:
+            good, more = run_together(client, [{"prompt": "go on", "max_new_tokens": 12}])
+        finally:
+            hook.remove()
+        assert worker.loop.preempted >= 4 and worker.loop.cap.apply(64) == 4
+    assert_untouched(good, expected)
+    assert more[0].status == "ok" and more[0].output["tokens"] == 12

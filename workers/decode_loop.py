@@ -14,7 +14,7 @@ from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers import metrics, scheduler, tracing
 from batchery.workers.claiming import Claimer
-from batchery.workers.execution import Executed, Outcome, failure
+from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.lookout import Lookout
 from batchery.workers.loop import _retrying
@@ -38,10 +38,11 @@ class Slot:
 class DecodeLoop:
     def __init__(self, queue_: ShardedQueue, runner: Any, claimer: Claimer, leases: Leases,
                  writer: ResultWriter, options: Any,
-                 count: Callable[..., None] = lambda **_: None) -> None:
+                 count: Callable[..., None] = lambda **_: None, cap: BatchCap | None = None) -> None:
         self.queue, self.runner, self.claimer = queue_, runner, claimer
         self.leases, self.writer, self.options, self.count = leases, writer, options, count
         self.batch = runner.new_batch()
+        self.cap = cap or BatchCap(options.oom_hold_s)  # sequences in flight, halved after OOM
         self.prefilling: list[Prefill] = []  # admitted, context being prefilled; most urgent first
         self.waiting: list[Sequence] = []    # claimed or preempted, no room yet; most urgent first
         self.preempted = 0                   # sequences paused to make room for a more urgent one
@@ -101,10 +102,14 @@ class DecodeLoop:
         """Decoding rows, less those preempted this step (still in the cache until cut)."""
         return [s for s in self.batch.rows if s not in self._preempting]
 
+    def _budget(self) -> scheduler.Budget:
+        """Sequences and cache tokens in flight: the options', less after out of memory."""
+        return scheduler.Budget(self.cap.apply(self.options.max_batch_size),
+                                self.options.max_batch_tokens)
+
     def _room(self, held: list[Sequence]) -> tuple[int, int]:
         """Sequences and cache tokens still free beside ``held``."""
-        return scheduler.room(map(_entry, held), scheduler.Budget(
-            self.options.max_batch_size, self.options.max_batch_tokens))
+        return scheduler.room(map(_entry, held), self._budget())
 
     def _claim(self, burst: bool) -> bool | None:
         """Claim into the room left, or the queue's head alone when it is more urgent than
@@ -172,8 +177,7 @@ class DecodeLoop:
         decision = scheduler.admit([_entry(s) for s in self.waiting],
                                    [_entry(s) for s in self._running()],
                                    [_entry(s) for s in self._running_rows()],
-                                   scheduler.Budget(self.options.max_batch_size,
-                                                    self.options.max_batch_tokens),
+                                   self._budget(),
                                    busy=bool(self.batch.rows or self.prefilling))
         if decision.preempt:  # their cache is cut after the newcomers' first token
             self._preempting += decision.preempt
@@ -279,7 +283,30 @@ class DecodeLoop:
         metrics.INFERENCE.observe(time.perf_counter() - started)
         metrics.BATCH_SIZE.observe(len(rows))
         self.count(runs=1, tokens=len(rows), padded=len(rows))
+        if len(rows) > 1 and any(is_out_of_memory(e) for e in self.batch.errors):
+            rows, tokens = self._back_off(rows, tokens)
         self._advance(rows, tokens)
+
+    def _back_off(self, rows: list[Sequence], tokens: list[Any]) -> tuple[list[Sequence], list[Any]]:
+        """Out of memory in this step (its halves got through, or a row alone did not):
+        halve the sequences in flight for a while (BatchCap, --oom-hold-s) and pause the
+        least urgent rows past that, and any row that ran out of memory alone. They wait,
+        leased, to be prefilled again from what they generated (their token of this step
+        was never emitted): nothing is lost. The rows kept and their tokens."""
+        self.cap.shrink(len(rows))
+        metrics.OOM_BACKOFFS.inc()
+        keep = self.cap.apply(len(rows))
+        alone = {id(s) for s, t in zip(rows, tokens) if isinstance(t, Exception) and is_out_of_memory(t)}
+        ranked = sorted((s for s in rows if id(s) not in alone), key=_rank)
+        paused = {id(s) for s in ranked[keep:]} | alone
+        gone = [s for s in rows if id(s) in paused]
+        self.batch.drop(gone)
+        self.waiting = sorted(self.waiting + gone, key=_rank)
+        self.preempted += len(gone)
+        log.warning("out of memory in a decode step of %d sequences: %d paused, at most %d in "
+                    "flight for %.0fs", len(rows), len(gone), keep, self.cap.hold_s)
+        kept = [(s, t) for s, t in zip(rows, tokens) if id(s) not in paused]
+        return [s for s, _ in kept], [t for _, t in kept]
 
     def _advance(self, rows: list[Sequence], tokens: list[Any], joined: bool = True) -> None:
         """Append each row's token; rows that ended, or met their own error, are committed

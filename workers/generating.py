@@ -83,7 +83,7 @@ class GenerateWorker(Worker):
         log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache, "
                  "prefill chunks of %s tokens", self.id, queue_.name, o.max_batch_size,
                  o.max_batch_tokens, o.prefill_chunk_tokens or "all the")
-        self.loop = DecodeLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count)
+        self.loop = DecodeLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count, cap)
         self.loop.run(self.stop, burst)
         self.batches_run = self.loop.batch.steps
 

@@ -88,6 +88,7 @@ class DecodeBatch:
         self._last = torch.zeros(0, dtype=torch.long, device=device)  # last token per row
         self._params: Rows | None = None    # the rows' parameters as tensors, for these rows:
         self._params_of: list[Sequence] = []  # rebuilt when they change
+        self.errors: list[Exception] = []  # what the last step's forward passes raised (bisected)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -145,6 +146,7 @@ class DecodeBatch:
         that raises is bisected: each half of the rows steps apart, down to the row that
         raises alone, which gets the error; the others have their token as usual."""
         self.slab.open_column()
+        self.errors = []
         if self._params is None or self._params_of != self.rows:  # (by identity: eq=False)
             self._params, self._params_of = self._rows_of(self.rows), list(self.rows)
         tokens = self._step(0, len(self.rows))
@@ -166,6 +168,7 @@ class DecodeBatch:
             rows = self._params if (a, b) == (0, len(self.rows)) else self._rows_of(self.rows[a:b])
             return self._choose(out.logits[:, -1, :], self.rows[a:b], rows)
         except Exception as exc:  # the model raised for some row(s): its columns are rewritten
+            self.errors.append(exc)
             if b - a == 1:
                 return [exc]
             middle = (a + b) // 2
