@@ -12,7 +12,7 @@ from typing import Any, Callable
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
-from batchery.workers import metrics, scheduler, tracing
+from batchery.workers import decode_output, metrics, scheduler, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
 from batchery.workers.leases import Leases, report_redis_error
@@ -289,7 +289,7 @@ class DecodeLoop:
 
     def _back_off(self, rows: list[Sequence], tokens: list[Any]) -> tuple[list[Sequence], list[Any]]:
         """Out of memory in this step (its halves got through, or a row alone did not):
-        halve the sequences in flight for a while (BatchCap, --oom-hold-s) and pause the
+        halve the sequences in flight for a while (BatchCap, WorkerOptions.oom_hold_s) and pause the
         least urgent rows past that, and any row that ran out of memory alone. They wait,
         leased, to be prefilled again from what they generated (their token of this step
         was never emitted): nothing is lost. The rows kept and their tokens."""
@@ -372,19 +372,7 @@ class DecodeLoop:
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
         size = len(self.batch.rows) + len(ended)
-        outcomes = []
-        for s in ended:
-            output = {"text": s.text, "tokens": len(s.generated), "finish_reason": s.finish_reason}
-            if s.params.logprobs is not None:
-                output["logprobs"] = self._logprobs(s)
-            run_ms = round((time.perf_counter() - s.key.started) * 1000, 3)
-            if s.finish_reason == "deadline":
-                outcomes.append(Outcome(s.key.request, output=output, expired=True, batch_size=size,
-                                        run_ms=run_ms, error={"type": "DeadlineExceeded", "message":
-                                        "the deadline passed while generating; output holds the "
-                                        "text so far"}))
-            else:
-                outcomes.append(Outcome(s.key.request, output=output, batch_size=size, run_ms=run_ms))
+        outcomes = [decode_output.outcome(s, self.runner, size) for s in ended]
         failed = failed or []
         outcomes += [failure(s.key.request, exc) for s, exc in failed]
         by_claim: dict[int, list[Outcome]] = {}
@@ -393,14 +381,6 @@ class DecodeLoop:
         for claimed_ms, group in by_claim.items():
             self.writer.submit(Executed(claimed_ms, group))
         self.count(requests=len(ended))
-
-    def _logprobs(self, s: Sequence) -> list[dict[str, Any]]:
-        """Per generated token: its text, id and log-probability under the model, and the
-        likeliest alternatives when the request asked for some."""
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            return {"token": self.runner.text([token]), "id": token, "logprob": logprob}
-        return [{**entry(token, mine), "top": [entry(t, lp) for t, lp in top]}
-                for token, mine, top in s.logprobs[:len(s.generated)]]
 
     # -- between steps -----------------------------------------------------------------
     def _check_leases(self) -> None:
