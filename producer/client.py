@@ -19,6 +19,7 @@ from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import InvalidRequest, RequestLost, ResultTimeout
+from batchery.producer.coalesce import ThreadEnqueueCoalescer
 from batchery.producer.replies import ReplyListener
 from batchery.producer.tokens import QueueCounter
 
@@ -185,6 +186,7 @@ class Client:
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)
         self._registered = False
+        self._coalescer = ThreadEnqueueCoalescer(self._send, ENQUEUE_CHUNK)
 
     def __enter__(self) -> "Client":
         return self
@@ -215,13 +217,21 @@ class Client:
         return [Handle(self, r.id, f) for r, f in zip(batch, futures)]
 
     def _enqueue(self, batch: list[Request], reply: bool) -> None:
+        """Enqueues from many threads at once go as one call (producer/coalesce.py);
+        ``reply=False`` ones (no reply list named) go alone."""
         if not batch:
             return
         if not self._registered:
             self.queue.register()
             self._registered = True
         with tracing.enqueue(self.queue.name, batch) as batch:
-            self.queue.enqueue(batch, self.client_id if reply else "")
+            if reply:
+                self._coalescer.enqueue(batch)
+            else:
+                self.queue.enqueue(batch, "")
+
+    def _send(self, batch: list[Request]) -> None:
+        self.queue.enqueue(batch, self.client_id)
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""

@@ -197,3 +197,51 @@ def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_na
             assert [type(o).__name__ for o in outcomes] == ["AsyncHandle"] * 2 + ["QueueFull"] * 2
     with Client(redis_url, queue_name) as settings:
         asyncio.run(scenario(settings))
+
+
+def test_sync_enqueues_from_many_threads_go_as_few_calls(redis_url: str, queue_name: str,
+                                                         rconn) -> None:
+    """The sync Client shared by a thread pool: one-request enqueues made at once share
+    calls (a group commit), and a refused call is sent again caller by caller, so each
+    thread gets its own answer, as the AsyncClient's callers do."""
+    def enqueue_calls() -> int:
+        return int(rconn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    def at_once(client: Client, inputs: list[str]) -> list[object]:
+        """Each input enqueued by its own thread, all released together: handle or error."""
+        start = threading.Barrier(len(inputs))
+        outcomes: list[object] = [None] * len(inputs)
+
+        def one(i: int) -> None:
+            start.wait()
+            try:
+                outcomes[i] = client.enqueue(inputs[i])
+            except Exception as exc:
+                outcomes[i] = exc
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(inputs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return outcomes
+
+    with Client(redis_url, queue_name) as client:
+        client.enqueue("warm")  # scripts loaded, queue registered
+        before = enqueue_calls()
+        handles = at_once(client, [f"r{i}" for i in range(100)])
+        calls = enqueue_calls() - before
+        assert all(hasattr(h, "id") for h in handles), handles
+        assert calls <= 10, f"100 threads made {calls} enqueue calls"
+        assert client.queue.lookup([h.id for h in handles]) == [True] * 100
+
+        client.queue.update_settings(max_request_bytes=200)
+        outcomes = at_once(client, ["ok 1", "x" * 500, "ok 2", "ok 3"])
+        assert isinstance(outcomes[1], RequestTooLarge)
+        ok = [o for i, o in enumerate(outcomes) if i != 1]
+        assert client.queue.lookup([h.id for h in ok]) == [True] * 3
+
+        client.queue.update_settings(max_request_bytes=10_000, max_pending=106)  # 2 more
+        outcomes = at_once(client, [f"f{i}" for i in range(6)])
+        kinds = sorted(type(o).__name__ for o in outcomes)
+        assert kinds == ["Handle"] * 2 + ["QueueFull"] * 4, outcomes
+        assert client.queue.stats()["pending"] == 106
