@@ -277,6 +277,31 @@ def test_estimated_requests_are_handed_to_a_counting_worker_then_claimed_on_exac
     assert {r.id: r.tokens for r in claimed} == {"r1": 5, "exact": 7}
 
 
+def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> None:
+    """A counting worker's claim that leases also hands over the estimated requests next
+    in line; sent with its next claim, their counts lease at once (no pricing round). A
+    claim without them prices them first, as before."""
+    queue.enqueue(requests(*"abcdef"))  # all estimated
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    assert [i for i, _ in priced.to_price] == ["r0", "r1"] and priced.batch == []
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in priced.to_price])
+    assert [r.id for r in first.batch] == ["r0", "r1"]
+    assert first.price_ahead == [("r2", "c"), ("r3", "d")]
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True,
+                         counts=[(i, 3) for i, _ in first.price_ahead])
+    assert [(r.id, r.tokens) for r in second.batch] == [("r2", 3), ("r3", 3)]
+    assert second.price_ahead == [("r4", "e"), ("r5", "f")]
+    again = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True)  # a retried call
+    assert [r.id for r in again.batch] == ["r2", "r3"] and again.price_ahead == []
+    other = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True)  # without the counts
+    assert [i for i, _ in other.to_price] == ["r4", "r5"] and other.batch == []
+    last = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True, counts=[("r4", 1), ("r5", 1)])
+    assert [r.id for r in last.batch] == ["r4", "r5"] and last.price_ahead == []
+    plain = queue.claim("w#4", 2, 10_000, 0, 10)
+    assert plain.batch == [] and plain.price_ahead == []
+
+
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400))
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
