@@ -18,7 +18,7 @@ from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
                                       check_timeout, is_cancelled, lost, make_request,
-                                      map_requests)
+                                      map_requests, refill)
 from batchery.producer.coalesce import EnqueueCoalescer
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
@@ -187,10 +187,9 @@ class AsyncClient:
         sent, progress = 0, time.monotonic()
         try:
             while sent < len(values) or place:
-                while sent < len(values) and len(place) < max_in_flight:
+                while sent < len(values) and (room := refill(len(place), max_in_flight)):
                     await self._refresh_settings()
-                    batch = list(itertools.islice(
-                        source, min(ENQUEUE_CHUNK, max_in_flight - len(place))))
+                    batch = list(itertools.islice(source, room))
                     ids = [r.id for r in batch]
                     self.replies.collect(ids, sink)
                     place.update(zip(ids, range(sent, sent + len(batch))))

@@ -80,6 +80,16 @@ def map_requests(values: Iterable[Any], priority: str | int, deadline: float | N
             yield first.alike(new_id(), value, count(value))
 
 
+def refill(in_flight: int, max_in_flight: int) -> int:
+    """How many requests map and stream send now: none until a call's worth of room is
+    free (ENQUEUE_CHUNK, or a quarter of max_in_flight where that is less), then up to a
+    call's worth. Topping up each slot as its result came made calls of a few requests (on
+    a 3-shard queue 40 a call, split again per shard, against 333 on one: 2.3x the
+    enqueue's Redis time per request)."""
+    room = max_in_flight - in_flight
+    return min(ENQUEUE_CHUNK, room) if room >= min(ENQUEUE_CHUNK, max(1, max_in_flight // 4)) else 0
+
+
 def lost(request_id: str) -> RequestLost:
     return RequestLost(
         f"request {request_id!r} is not in Redis any more: not queued, not running, and no "
@@ -280,8 +290,7 @@ class Client:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(waiting) < max_in_flight:
-                    room = min(ENQUEUE_CHUNK, max_in_flight - len(waiting))
+                while not exhausted and (room := refill(len(waiting), max_in_flight)):
                     chunk = list(itertools.islice(source, room))
                     exhausted = not chunk
                     if chunk:
