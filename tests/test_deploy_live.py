@@ -24,7 +24,7 @@ from batchery.batching.messages import Request
 from batchery.batching.sharded import open_queue
 from batchery.connection import RedisSettings
 from tests.test_cluster import local_cluster, node_of_slot
-from tests.test_deploy import keda_printed, keda_reading
+from tests.test_keda import keda_printed, keda_reading
 from tests.conftest import (ROOT, RedisServer, cli_env, free_port, pings, scrape, start_worker,
                             stop_process, wait_for)
 
