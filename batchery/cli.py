@@ -3,7 +3,7 @@ every other command plugs in.
 
 Commands live with what they drive: queues (batchery/queue_cli.py), requests and
 enqueue (producer/cli.py), offline jobs (producer/jobs/cli.py), the worker
-(workers/cli.py), the dashboard (dashboard/cli.py). What they share is in
+(workers/cli.py), the dashboard (dashboard/cli.py), the OpenAI gateway (gateway/cli.py). What they share is in
 batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
 line on stderr and exit with their code (the table is in batchery/errors.py and the
 README); never a traceback.
@@ -21,6 +21,7 @@ from batchery import embedded, tracing
 from batchery.cli_shared import LOG_LEVELS, BatcheryGroup, finish_tree, json_option, print_json
 from batchery.config import ENV_LOG_LEVEL
 from batchery.dashboard.cli import dashboard
+from batchery.gateway.cli import serve
 from batchery.producer.cli import enqueue, request_group
 from batchery.producer.jobs.cli import job_group
 from batchery.queue_cli import dead_group, queue_group, stats
@@ -78,7 +79,7 @@ def _hidden(command: click.Command) -> click.Command:
     return alias
 
 
-for command in (queue_group, request_group, job_group, enqueue, worker, dashboard):
+for command in (queue_group, request_group, job_group, enqueue, worker, dashboard, serve):
     cli.add_command(command)
 # The short form of `batchery job submit`, shown in the README.
 cli.add_command(job_group.commands["submit"], "submit")

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from batchery import tracing
 from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.keys import check_queue_name
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Request, Result, estimate_tokens
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -122,6 +122,11 @@ class AsyncClient:
         announced a tokenizer since."""
         if self._count is not None and self._count.stale:
             await self._load_settings()
+
+    def tokens(self, value: Any) -> int:
+        """An input's cost in tokens as this client prices it: exact with the queue's
+        tokenizer installed here, else estimated (as the request is stored)."""
+        return self._count_tokens(value) or estimate_tokens(value)
 
     def _count_tokens(self, value: Any) -> int | None:
         assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"

@@ -1,0 +1,75 @@
+"""``batchery serve``: the OpenAI-compatible gateway (the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from batchery.cli_shared import jobs_queue_option, redis_options
+from batchery.config import ENV_API_KEYS, state_dir
+from batchery.connection import RedisSettings
+from batchery.dashboard.access import is_loopback
+from batchery.dashboard.cli import check_port_free
+from batchery.errors import ConfigError
+
+LOOPBACK = "127.0.0.1"   # no keys: only this machine may call
+ANY_HOST = "0.0.0.0"     # keys configured: a replica behind a load balancer
+DEFAULT_PORT = 8000      # where OpenAI-compatible servers (vLLM, TGI's router) listen
+
+
+def default_files_dir() -> str:
+    return str(state_dir() / "files")
+
+
+@click.command("serve")
+@click.option("--host", help=f"Address to listen on [default: {ANY_HOST} with API keys, "
+              f"{LOOPBACK} without: then anything but loopback is refused].")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--queue", "-q", "queues", multiple=True, help="Serve this queue (repeatable); "
+              "default: every queue registered in Redis, each as the model of its name.")
+@click.option("--keys-file", type=click.Path(dir_okay=False), help="API keys, one "
+              f"`KEY TENANT [QUEUE,...|*]` per line (also from {ENV_API_KEYS}).")
+@click.option("--files-dir", help="Where /v1/files and batch outputs live: a directory the "
+              "jobs workers read too (a shared volume) [default: BATCHERY_HOME/files].")
+@jobs_queue_option
+@redis_options
+def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str | None,
+          files_dir: str | None, jobs_queue: str, redis_url: str | None, cluster: bool) -> None:
+    """Serve the OpenAI API (/v1/models, embeddings, completions, chat, files, batches)
+    over batchery's queues."""
+    try:
+        import uvicorn
+        from batchery.gateway.app import Gateway, create_app
+        from batchery.gateway.auth import Keys
+        from batchery.gateway.catalog import Catalog
+    except ImportError as exc:
+        raise ConfigError(f"the gateway needs its extra ({exc.name} is missing): "
+                          "pip install 'batchery[serve]'") from None
+    from batchery.batching.keys import check_queue_name
+    keys = Keys.load(keys_file, os.environ.get(ENV_API_KEYS))
+    host = host or (ANY_HOST if keys.configured else LOOPBACK)
+    if not keys.configured and not is_loopback(host):
+        raise ConfigError(f"refusing to serve on {host} without API keys: anyone who reaches "
+                          f"it could use every queue. Give keys (--keys-file, or {ENV_API_KEYS}"
+                          f"), or keep the default --host {LOOPBACK}")
+    check_port_free(host, port)
+    redis = RedisSettings.from_url(redis_url, cluster=cluster)
+    catalog = Catalog(redis, tuple(check_queue_name(q) for q in queues))
+    catalog.ping()  # Redis unreachable or refusing: say so now, not on the first call
+    gateway = Gateway(catalog, keys)
+    _add_batches(gateway, redis, files_dir or default_files_dir(), jobs_queue)
+    shown = f"[{host}]" if ":" in host else host
+    served = ", ".join(queues) if queues else "every registered queue"
+    if keys.configured:
+        click.echo(f"batchery serve: OpenAI API on http://{shown}:{port}/v1 ({served}; "
+                   f"{len(keys)} API key(s))", err=True)
+    else:
+        click.echo(f"batchery serve: OpenAI API on http://{shown}:{port}/v1 ({served}); no API "
+                   f"keys configured, so it listens on {host} only and takes any key", err=True)
+    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning",
+                access_log=False)
+
+
+def _add_batches(gateway: object, redis: RedisSettings, files_dir: str, jobs_queue: str) -> None:
+    """The Batch API's routes, once they exist (files and batches)."""
