@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import click
+from redis import exceptions as redis_errors
 
 from batchery.cli_shared import jobs_queue_option, redis_options
 from batchery.config import ENV_API_KEYS, state_dir
@@ -56,7 +57,11 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
     check_port_free(host, port)
     redis = RedisSettings.from_url(redis_url, cluster=cluster)
     catalog = Catalog(redis, tuple(check_queue_name(q) for q in queues))
-    catalog.ping()  # Redis unreachable or refusing: say so now, not on the first call
+    try:
+        catalog.ping()
+    except redis_errors.ConnectionError as exc:  # it may start after us: /ready says 503 till then
+        click.echo(f"warning: Redis does not answer yet ({exc}); serving anyway, /ready "
+                   "answers 503 until it does", err=True)
     gateway = Gateway(catalog, keys)
     _add_batches(gateway, redis, files_dir or default_files_dir(), jobs_queue)
     shown = f"[{host}]" if ":" in host else host

@@ -8,7 +8,7 @@ import sys
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,9 +22,12 @@ class Served:
     url: str            # http://127.0.0.1:PORT
     proc: subprocess.Popen
     log: Path
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed with the server
 
     def client(self, api_key: str = "unused", **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
+        made = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
+        self.clients.append(made)
+        return made
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         request = urllib.request.Request(self.url + path, headers=headers or {})
@@ -49,6 +52,8 @@ def serve(redis_url: str, tmp_path: Path, *args: str, **env: str) -> Iterator[Se
         wait_for(lambda: _answers(served), 60, 0.1, message=f"batchery serve on port {port}")
         yield served
     finally:
+        for client in served.clients:
+            client.close()
         stop_process(proc)
 
 
