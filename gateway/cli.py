@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 from redis import exceptions as redis_errors
@@ -76,5 +77,21 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
                 access_log=False)
 
 
-def _add_batches(gateway: object, redis: RedisSettings, files_dir: str, jobs_queue: str) -> None:
-    """The Batch API's routes, once they exist (files and batches)."""
+def _add_batches(gateway: Any, redis: RedisSettings, files_dir: str, jobs_queue: str) -> None:
+    """The Batch API's routes: /v1/files and /v1/batches over the file store and RQ."""
+    from starlette.routing import Route
+    from batchery.gateway.batches import BatchRoutes
+    from batchery.gateway.files import FileRoutes, FileStore
+    store = FileStore(files_dir)
+    files = FileRoutes(store, gateway.authorize)
+    batches = BatchRoutes(store, gateway.catalog, redis, jobs_queue, gateway.authorize)
+    gateway.extra_routes += [
+        Route("/v1/files", files.upload, methods=["POST"]),
+        Route("/v1/files", files.list, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.get, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.delete, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", files.content, methods=["GET"]),
+        Route("/v1/batches", batches.create, methods=["POST"]),
+        Route("/v1/batches", batches.list, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batches.get, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batches.cancel, methods=["POST"])]

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from batchery.batching.codec import encode
 from batchery.errors import BatcheryError, InvalidRequest, JobNotFound, QueueFull, ResultTimeout
-from batchery.producer.openai_api import BodyError
+from batchery.producer.openai_api import BodyError, result_error
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1   # a full queue drains in about a batch's time: ask again soon
@@ -79,16 +79,8 @@ def deadline_passed(message: str) -> ApiError:
 
 def from_result(result: Any) -> ApiError:
     """The ApiError of a request that did not end ok (status error, dead, expired, cancelled)."""
-    error = result.error or {}
-    message = error.get("message") or f"the request ended {result.status}"
-    if result.status == "expired":
-        return deadline_passed(f"the request's deadline passed before it finished ({message})")
-    if error.get("type") == "InputError":  # the worker refused the input: the caller's to fix
-        return bad_request(message.replace("max_new_tokens", "max_tokens"))
-    if result.status == "cancelled":
-        return ApiError(499, "the request was cancelled", code="cancelled")
-    return ApiError(500, f"the model failed on this request ({error.get('type', result.status)}: "
-                    f"{message})", "server_error", code=result.status)
+    status, error = result_error(result)
+    return ApiError(status, error["message"], error["type"], error["param"], error["code"])
 
 
 async def on_api_error(_request: Request, exc: Exception) -> Response:

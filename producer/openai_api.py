@@ -11,10 +11,13 @@ renders them (workers/runners/generate.py), so nothing here needs the model.
 from __future__ import annotations
 
 import base64
+import secrets
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchery.batching.messages import estimate_tokens
 from batchery.errors import InvalidRequest
 
 EMBEDDINGS, COMPLETIONS, CHAT = "/v1/embeddings", "/v1/completions", "/v1/chat/completions"
@@ -278,3 +281,96 @@ def usage_chunk(call: Call, request_id: str, created: int, counts: dict[str, int
     kind = "chat.completion.chunk" if call.endpoint == CHAT else "text_completion"
     return {"id": request_id, "object": kind, "created": created, "model": call.model,
             "choices": [], "usage": counts}
+
+
+# -- results that did not end ok ---------------------------------------------------------
+def result_error(result: Any) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error object) of a result whose status is not ok."""
+    error = result.error or {}
+    message = error.get("message") or f"the request ended {result.status}"
+    if result.status == "expired":
+        return 504, {"message": f"the request's deadline passed before it finished ({message})",
+                     "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+    if error.get("type") == "InputError":  # the worker refused the input: the caller's to fix
+        return 400, {"message": message.replace("max_new_tokens", "max_tokens"),
+                     "type": "invalid_request_error", "param": None, "code": None}
+    if result.status == "cancelled":
+        return 499, {"message": "the request was cancelled", "type": "invalid_request_error",
+                     "param": None, "code": "cancelled"}
+    return 500, {"message": f"the model failed on this request ({error.get('type', result.status)}"
+                 f": {message})", "type": "server_error", "param": None, "code": result.status}
+
+
+# -- batch lines (the Batch API, `batchery job submit`) -------------------------------------
+BATCH_FIELDS = ("custom_id", "method", "url", "body")
+
+
+def is_batch_line(obj: dict[str, Any]) -> bool:
+    """An OpenAI batch input line ({custom_id, method, url, body}) rather than batchery's."""
+    return "body" in obj or "url" in obj or "method" in obj
+
+
+def batch_call(obj: dict[str, Any]) -> Call:
+    """The Call of one batch input line; raises BodyError. A line runs one request."""
+    unknown = set(obj) - set(BATCH_FIELDS)
+    if unknown:
+        raise BodyError(f"unknown field(s) {sorted(unknown)}; a batch line has "
+                        f"{', '.join(BATCH_FIELDS)}")
+    if obj.get("method", "POST") != "POST":
+        raise BodyError(f"method must be POST, got {obj.get('method')!r}", "method")
+    url = obj.get("url")
+    if url not in TASKS:
+        raise BodyError(f"url must be one of {', '.join(TASKS)}, got {url!r}", "url")
+    call = parse_body(url, obj.get("body"))
+    if len(call.inputs) != 1:
+        raise BodyError("a batch line runs one input: give one string (embeddings), one "
+                        "prompt, and n 1; split longer lists over several lines", "body")
+    if call.stream:
+        raise BodyError("stream is not supported in a batch", "body.stream")
+    return call
+
+
+def batch_record_id(number: int) -> str:
+    """An output line's id; it ends with the input line's number (a resumed job reads it)."""
+    return f"batch_req_{secrets.token_hex(8)}_{number}"
+
+
+def line_of_record(record: dict[str, Any]) -> int | None:
+    """The input line number of a written batch output or error line."""
+    record_id = record.get("id")
+    tail = record_id.rsplit("_", 1)[-1] if isinstance(record_id, str) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def batch_ok(record: dict[str, Any]) -> bool:
+    return (record.get("response") or {}).get("status_code") == 200
+
+
+def batch_result_line(number: int, custom_id: Any, call: Call | None, result: Any,
+                      tokens: int | None) -> tuple[bool, dict[str, Any]]:
+    """(ok, the output or error file's line) of a request's result."""
+    line: dict[str, Any] = {"id": batch_record_id(number), "custom_id": custom_id,
+                            "response": None, "error": None}
+    if result.status == "expired":
+        line["error"] = {"code": "batch_expired", "message": "this request could not run "
+                         "before the batch's completion window expired"}
+        return False, line
+    if result.status != "ok":
+        status, error = result_error(result)
+        line["response"] = {"status_code": status, "request_id": result.id, "body": {"error": error}}
+        return False, line
+    body: Any = result.output
+    if call is not None and call.endpoint == EMBEDDINGS:
+        body = embeddings_body(call, [result.output], tokens or estimate_tokens(call.inputs[0]))
+    elif call is not None:
+        body = generation_body(call, result.id, int(time.time()), [result.output])
+    line["response"] = {"status_code": 200, "request_id": result.id, "body": body}
+    return True, line
+
+
+def batch_invalid_line(number: int, custom_id: Any, message: str) -> dict[str, Any]:
+    """The error file's line of an input line the endpoint refuses."""
+    return {"id": batch_record_id(number), "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": None, "body": {"error": {
+                "message": message, "type": "invalid_request_error", "param": None,
+                "code": None}}}, "error": None}

@@ -80,3 +80,11 @@ def tiny_gpt2(path: Path) -> Path:
                                eos_token_id=None)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def jobs_worker(redis_url: str, jobs_queue: str, log: Path) -> subprocess.Popen:
+    """`batchery job worker` on its own RQ queue (the test's batches only)."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "batchery", "job", "worker", "--jobs-queue",
+                                 jobs_queue], cwd=ROOT, env=cli_env(redis_url), stdout=out,
+                                stderr=subprocess.STDOUT)

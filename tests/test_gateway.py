@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from batchery import Client
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
-from tests.gateway_helpers import Served, serve, tiny_gpt2
+from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def queues() -> dict[str, str]:
     tag = uuid.uuid4().hex[:8]
-    return {"embed": f"g-embed-{tag}", "generate": f"g-gen-{tag}", "idle": f"g-idle-{tag}"}
+    return {"embed": f"g-embed-{tag}", "generate": f"g-gen-{tag}", "idle": f"g-idle-{tag}",
+            "jobs": f"g-jobs-{tag}"}
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +45,17 @@ def gateway(redis_server: RedisServer, queues: dict[str, str], gpt2: Path,
                          "--max-wait-ms", "2", log=logs / "embed.log")
     generate = start_worker(url, queues["generate"], "--task", "generate", "--model", str(gpt2),
                             log=logs / "generate.log")
+    jobs = jobs_worker(url, queues["jobs"], logs / "jobs.log")
     try:
-        with serve(url, logs) as served:
+        with serve(url, logs, "--files-dir", str(logs / "files"), "--jobs-queue",
+                   queues["jobs"]) as served:
             listed = lambda: {m.id: m for m in served.client().models.list()}  # noqa: E731
             wait_for(lambda: all(getattr(listed().get(queues[t]), "task", None) == t
                                  for t in ("embed", "generate")), 120, 0.5,
                      message="both workers reporting to the gateway")
             yield served
     finally:
-        for proc in (embed, generate):
+        for proc in (embed, generate, jobs):
             stop_process(proc)
 
 
