@@ -16,7 +16,6 @@ web page cannot reach it through DNS rebinding.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +116,3 @@ def _entry(line: str, where: str) -> tuple[str, Principal]:
     queues = None if listed == "*" else frozenset(q for q in listed.split(",") if q)
     return key, Principal(tenant, queues)
 
-
-def same_tenant(a: str | None, b: str | None) -> bool:
-    return hmac.compare_digest((a or "").encode(), (b or "").encode())

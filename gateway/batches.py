@@ -164,8 +164,19 @@ class BatchRoutes:
         await run_in_threadpool(self.save, record)
         return json_response(await run_in_threadpool(self.view, record))
 
-    def _submit(self, record: dict[str, Any], path: Path, who: Principal) -> None:
+    def sweep(self) -> None:
+        """Forget the batches (and files) past the retention period."""
         self.files.sweep()
+        oldest = time.time() - self.files.retention_s
+        for path in self.dir.glob("batch_*.json"):
+            try:
+                if json.loads(path.read_text())["created_at"] < oldest:
+                    path.unlink(missing_ok=True)
+            except (OSError, ValueError, KeyError):
+                continue
+
+    def _submit(self, record: dict[str, Any], path: Path, who: Principal) -> None:
+        self.sweep()
         out = self.files.new(f"{record['id']}_output.jsonl", "batch_output", who.tenant)
         err = self.files.new(f"{record['id']}_error.jsonl", "batch_output", who.tenant)
         job = jobs.submit(self.rq(), str(path), str(self.files.content(out["id"])),

@@ -20,8 +20,10 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from batchery import tracing
 from batchery.batching.codec import encode, loads
-from batchery.batching.messages import Result, check_deadline, check_priority, parse_priority
+from batchery.batching.messages import (Result, check_deadline, check_priority, estimate_tokens,
+                                       parse_priority)
 from batchery.errors import InvalidRequest, ResultTimeout
 from batchery.gateway.auth import Principal
 from batchery.gateway.catalog import Catalog
@@ -88,8 +90,9 @@ class Online:
         fields = request_fields(request, call, who)
         rid = f"{ID_PREFIX.get(endpoint, 'cmpl')}-{secrets.token_hex(12)}"
         ids = [rid] if len(call.inputs) == 1 else [f"{rid}.{i}" for i in range(len(call.inputs))]
-        handles = await client.enqueue_many([{"input": x, "id": i, **fields}
-                                             for x, i in zip(call.inputs, ids)])
+        with tracing.caller(request.headers.get("traceparent")):
+            handles = await client.enqueue_many([{"input": x, "id": i, **fields}
+                                                 for x, i in zip(call.inputs, ids)])
         timeout = fields["deadline"] + DEADLINE_GRACE_S if "deadline" in fields else None
         headers = {"x-request-id": rid}
         if call.stream:
@@ -101,7 +104,7 @@ class Online:
             raise from_result(failed)
         outputs = [r.output for r in results]
         if endpoint == EMBEDDINGS:
-            tokens = sum(client.tokens(x) for x in call.inputs)
+            tokens = sum(h.tokens or estimate_tokens(x) for h, x in zip(handles, call.inputs))
             return json_response(embeddings_body(call, outputs, tokens), headers=headers)
         return json_response(generation_body(call, rid, int(time.time()), outputs), headers=headers)
 

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from batchery import tracing
 from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.keys import check_queue_name
-from batchery.batching.messages import Request, Result, estimate_tokens
+from batchery.batching.messages import Request, Result
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -25,8 +25,10 @@ from batchery.producer.tokens import TokenCounter
 
 
 class AsyncHandle:
-    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future) -> None:
+    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future,
+                 tokens: int | None = None) -> None:
         self.id = request_id
+        self.tokens = tokens  # the request's cost as priced at enqueue (None: estimated later)
         self._client = client
         self._future = future
 
@@ -123,11 +125,6 @@ class AsyncClient:
         if self._count is not None and self._count.stale:
             await self._load_settings()
 
-    def tokens(self, value: Any) -> int:
-        """An input's cost in tokens as this client prices it: exact with the queue's
-        tokenizer installed here, else estimated (as the request is stored)."""
-        return self._count_tokens(value) or estimate_tokens(value)
-
     def _count_tokens(self, value: Any) -> int | None:
         assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"
         return self._count(value)
@@ -155,7 +152,7 @@ class AsyncClient:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
         await self._enqueue(batch)
-        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
+        return [AsyncHandle(self, r.id, f, r.tokens) for r, f in zip(batch, futures)]
 
     async def _enqueue(self, batch: list[Request]) -> None:
         with tracing.enqueue(self.queue.name, batch) as batch:
