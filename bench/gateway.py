@@ -119,6 +119,9 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
             paths = (("gateway /v1/embeddings", through_gateway), ("AsyncClient.submit", direct))
             spent = {p: [0.0, [], 0.0] for p, _ in paths}  # seconds, latencies, gateway CPU
             for _ in range(ROUNDS):  # alternated, so that the machine's load drifts on both
+                for c in connections:
+                    c.close()
+                connections[:] = [await Connection.open(port) for _ in range(concurrency)]
                 for path, call in paths:
                     common.log(f"embeddings: {path}, {count // ROUNDS:,} requests, "
                                f"{concurrency} at a time ...")

@@ -3,7 +3,7 @@
 Keys come from a file (``--keys-file``) and from the environment (BATCHERY_API_KEYS),
 one entry per line (``;`` also separates entries in the variable)::
 
-    # KEY                TENANT   QUEUES (comma-separated; * or nothing: all)
+    # KEY                TENANT   QUEUES (comma-separated, * or nothing for all)
     sk-team-a-0123456789 team-a   embed,chat
     sk-ops-9876543210    ops      *
 

@@ -18,6 +18,9 @@ from batchery.errors import ConfigError
 LOOPBACK = "127.0.0.1"   # no keys: only this machine may call
 ANY_HOST = "0.0.0.0"     # keys configured: a replica behind a load balancer
 DEFAULT_PORT = 8000      # where OpenAI-compatible servers (vLLM, TGI's router) listen
+# Idle keep-alive connections stay open this long: longer than load balancers' idle timeout
+# (60 s on most), so that none sends a request on a connection the gateway just closed.
+KEEP_ALIVE_S = 75
 
 
 def default_files_dir() -> str:
@@ -74,7 +77,7 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
         click.echo(f"batchery serve: OpenAI API on http://{shown}:{port}/v1 ({served}); no API "
                    f"keys configured, so it listens on {host} only and takes any key", err=True)
     uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning",
-                access_log=False)
+                access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def _add_batches(gateway: Any, redis: RedisSettings, files_dir: str, jobs_queue: str) -> None:
