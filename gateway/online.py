@@ -159,14 +159,19 @@ async def _merged(handles: list[AsyncHandle], timeout: float | None
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, handle: AsyncHandle) -> None:
-        async for item in _choice(i, handle, timeout):
-            await merged.put(item)
+        try:
+            async for item in _choice(i, handle, timeout):
+                await merged.put(item)
+        except Exception as exc:  # raised where the stream is read
+            await merged.put(exc)
 
     tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     try:
         for _ in range(len(handles)):
             while True:
                 item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
                 yield item
                 if item[2] is not None:
                     break

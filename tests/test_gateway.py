@@ -148,6 +148,10 @@ def test_n_choices_with_a_seed_are_reproducible(sdk, queues) -> None:
     assert first.usage.completion_tokens == 18
     assert first.usage.prompt_tokens == sdk.chat.completions.create(
         **{**ask, "n": 1}).usage.prompt_tokens  # the prompt counted once
+    streamed = ["", "", ""]
+    for c in sdk.chat.completions.create(**ask, stream=True):
+        streamed[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert streamed == texts
 
 
 def test_errors_have_openai_s_shape_and_status(sdk, queues) -> None:
