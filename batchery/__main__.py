@@ -1,3 +1,4 @@
 from batchery.cli import main
 
-main()
+if __name__ == "__main__":  # imported (by API doc tools), it runs nothing
+    main()

@@ -3,15 +3,14 @@ every other command plugs in.
 
 Commands live with what they drive: queues (batchery/queue_cli.py), requests and
 enqueue (producer/cli.py), offline jobs (producer/jobs/cli.py), the worker
-(workers/cli.py), the dashboard (dashboard/cli.py), the OpenAI gateway (gateway/cli.py). What they share is in
-batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
+(workers/cli.py), the dashboard (dashboard/cli.py), the OpenAI gateway (gateway/cli.py).
+What they share is in batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
 line on stderr and exit with their code (the table is in batchery/errors.py and the
-README); never a traceback.
+docs/reference/errors.md); never a traceback.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 
@@ -24,7 +23,7 @@ from batchery.dashboard.cli import dashboard
 from batchery.gateway.cli import serve
 from batchery.producer.cli import enqueue, request_group
 from batchery.producer.jobs.cli import job_group
-from batchery.queue_cli import dead_group, queue_group, stats
+from batchery.queue_cli import queue_group
 from batchery.workers.cli import worker
 
 
@@ -72,23 +71,12 @@ def redis_stop(as_json: bool) -> None:
         click.echo("stopped" if stopped else "not running")
 
 
-def _hidden(command: click.Command) -> click.Command:
-    """The same command under a former name, left out of --help."""
-    alias = copy.copy(command)
-    alias.hidden = True
-    return alias
-
-
 for command in (queue_group, request_group, job_group, enqueue, worker, dashboard, serve):
     cli.add_command(command)
-# The short form of `batchery job submit`, shown in the README.
+# The short form of `batchery job submit`, shown in the docs. (The first wave's other
+# top-level names, stats, dead, status, results, cancel and jobs-worker, were dropped
+# before the first release: `batchery queue ...` and `batchery job ...` are the names.)
 cli.add_command(job_group.commands["submit"], "submit")
-# Former names, kept for scripts written before `batchery queue` and `batchery job`.
-cli.add_command(_hidden(stats), "stats")
-cli.add_command(_hidden(dead_group), "dead")
-for former, current in (("status", "status"), ("results", "results"), ("cancel", "cancel"),
-                        ("jobs-worker", "worker")):
-    cli.add_command(_hidden(job_group.commands[current]), former)
 finish_tree(cli)
 
 

@@ -21,7 +21,7 @@ import redis
 from batchery.config import (DEFAULT_QUEUE, ENV_LOG_LEVEL, ENV_PREFIX, ENV_QUEUE, ENV_REDIS_URL,
                              ENV_REDIS_URL_FALLBACK)
 from batchery.connection import RedisSettings
-from batchery.errors import BatcheryError
+from batchery.errors import BatcheryError, InvalidRequest
 from batchery.producer.jobs.spec import JOBS_QUEUE
 
 EXIT_REDIS = 1
@@ -30,9 +30,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class FiniteFloat(click.ParamType):
-    """A float option that refuses nan and inf (Python's float() accepts both)."""
+    """A float option that refuses nan and inf (Python's float() accepts both), and
+    numbers below ``least`` when one is given: checked before the command writes anything."""
 
     name = "number"
+
+    def __init__(self, least: float | None = None) -> None:
+        self.least = least
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -42,10 +46,14 @@ class FiniteFloat(click.ParamType):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number; give seconds such as 30 or 0.5",
                       param, ctx)
+        if self.least is not None and number < self.least:
+            self.fail(f"{value!r} is below {self.least:g}; give seconds such as 30 or 0.5",
+                      param, ctx)
         return number
 
 
 FINITE = FiniteFloat()
+SECONDS = FiniteFloat(least=0)  # a wait or a period: never negative
 
 
 class BatcheryGroup(click.Group):
@@ -57,6 +65,12 @@ class BatcheryGroup(click.Group):
         except BatcheryError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except UnicodeError as exc:  # a name from argv or a file that is not UTF-8
+            click.echo(f"error: {exc.object[exc.start:exc.end]!r} in {exc.object[:60]!r} is "
+                       "not valid UTF-8 text; give names and values as UTF-8"
+                       if isinstance(exc, (UnicodeEncodeError, UnicodeDecodeError))
+                       else f"error: text that is not valid UTF-8 ({exc})", err=True)
+            sys.exit(InvalidRequest.exit_code)
         except redis.AuthenticationError as exc:
             click.echo(f"error: Redis refused the credentials ({exc}); check the user and "
                        "password in the URL", err=True)
@@ -67,7 +81,7 @@ class BatcheryGroup(click.Group):
             sys.exit(EXIT_REDIS)
         except redis.exceptions.NoPermissionError as exc:
             click.echo(f"error: Redis refused a command to this user ({exc}); give the ACL "
-                       "user the rights README's 'Least privilege' lists for this role",
+                       "user the rights the docs' 'Least privilege' page lists for this role",
                        err=True)
             sys.exit(EXIT_REDIS)
         except redis.OutOfMemoryError as exc:

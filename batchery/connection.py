@@ -28,9 +28,12 @@ SOCKET_TIMEOUT_S = 30.0  # longer than any blocking read we issue
 # redis-py 8 caps a pool at 100 by default and then raises MaxConnectionsError: a Client
 # waited on by more than 100 threads failed when their result polls met (test_client).
 MAX_CONNECTIONS = 10_000  # Redis' own default maxclients
-# Bytes that are not UTF-8 (written by something other than batchery) read as U+FFFD
-# instead of failing the whole reply they are part of, e.g. a claim of 64 requests.
-ENCODING_ERRORS = "replace"
+# Bytes that are not UTF-8 (written by something other than batchery) read as lone
+# surrogates instead of failing the whole reply they are part of (a claim of 64 requests),
+# and are written back as the same bytes. Never "replace": that writes "doc-\udcff" and
+# "doc-\udcfe" as one key "doc-?". Names a caller gives are refused before they get here
+# when they are not valid UTF-8 (batching/messages.py check_name).
+ENCODING_ERRORS = "surrogateescape"
 RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError,
                 redis.exceptions.BusyLoadingError)
 

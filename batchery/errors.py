@@ -1,6 +1,6 @@
 """Errors a user can act on. The CLI maps each to an exit code, never a traceback.
 
-Exit codes (README "Exit codes"): 0 done; 1 Redis unreachable or refusing; 2 bad input
+Exit codes (docs/reference/errors.md): 0 done; 1 Redis unreachable or refusing; 2 bad input
 or option; 3 queue full; 4 no such job or request; 5 timed out waiting; 6 request lost
 by Redis; 7 done, but a result is not ok (error, expired, cancelled, dead) or the job
 failed or was cancelled.

@@ -11,7 +11,7 @@ or by ``opentelemetry-instrument``.
 The producer's span travels as a W3C ``traceparent`` in the request's payload (the
 optional ``trace`` field, batching/messages.py), so the worker's spans join the
 caller's trace; its sampling decision is the request's (a worker makes no span for a
-request its producer did not sample). The span tree (README, "Tracing"): per request
+request its producer did not sample). The span tree (docs/guides/observability.md): per request
 enqueue, await result, and per attempt process > queue wait > batch hold, tokenize,
 model run | fallback run, prefill, decode, commit, with events for expiry, retries and
 dead letters; per model run a batch span linked to each request; per offline job one

@@ -55,13 +55,13 @@ class AsyncRequestQueue:
 
     async def result(self, request_id: str) -> Result | None:
         raw = await self.client.get(self.keys.result(request_id))
-        return Result.from_json(raw) if raw else None
+        return Result.from_json(raw, request_id) if raw else None
 
     async def lookup(self, ids: Sequence[str]) -> list[Result | bool]:
         if not ids:
             return []
         call = lookup_call(self.keys, ids)
-        return parse_lookup(await self.scripts.lookup(call.keys, call.args))
+        return parse_lookup(await self.scripts.lookup(call.keys, call.args), ids)
 
     async def forget_results(self, ids: Sequence[str]) -> None:
         if ids:

@@ -89,8 +89,9 @@ def lookup_call(k: Keys, ids: Sequence[str]) -> Call:
     return Call([k.requests, *(k.result(i) for i in ids)], list(ids))
 
 
-def parse_lookup(reply: list[Any]) -> list[Result | bool]:
-    return [Result.from_json(r) if isinstance(r, (str, bytes)) else bool(r) for r in reply]
+def parse_lookup(reply: list[Any], ids: Sequence[str]) -> list[Result | bool]:
+    return [Result.from_json(r, i) if isinstance(r, (str, bytes)) else bool(r)
+            for r, i in zip(reply, ids, strict=True)]
 
 
 def memory_full(error: Exception | str) -> QueueFull:

@@ -50,10 +50,19 @@ def encode(value: Any, errors: str = "strict") -> bytes:
     try:
         out = orjson.dumps(value, option=_OPTIONS)
     except TypeError:
-        return _JSON.encode(value).encode("utf-8", errors)
+        return _json_encode(value, errors)
     if value is not None and b"null" in out:  # None, or NaN written as null: json decides
-        return _JSON.encode(value).encode("utf-8", errors)
+        return _json_encode(value, errors)
     return out
+
+
+def _json_encode(value: Any, errors: str) -> bytes:
+    """json's encoding, where nesting past the interpreter's recursion limit is a
+    ValueError like any other value JSON cannot hold (not a RecursionError)."""
+    try:
+        return _JSON.encode(value).encode("utf-8", errors)
+    except RecursionError:
+        raise ValueError("nested too deeply to write as JSON") from None
 
 
 def encode_message(message: dict[str, Any], value_key: str, errors: str = "strict") -> bytes:
@@ -65,26 +74,30 @@ def encode_message(message: dict[str, Any], value_key: str, errors: str = "stric
         try:
             return orjson.dumps(message)
         except TypeError:  # a lone surrogate, an integer beyond 64 bits: json's rules
-            return _JSON.encode(message).encode("utf-8", errors)
+            return _json_encode(message, errors)
     message[value_key] = orjson.Fragment(encode(value, errors))
     try:
         return orjson.dumps(message)
     except TypeError:  # a lone surrogate in one of its own strings
         message[value_key] = value
-        return _JSON.encode(message).encode("utf-8", errors)
+        return _json_encode(message, errors)
     finally:
         message[value_key] = value
 
 
 def loads(text: str | bytes) -> Any:
-    """The value of JSON text as json.loads reads it; ValueError when it is not JSON."""
+    """The value of JSON text as json.loads reads it; ValueError when it is not JSON or
+    cannot be read (nested deeper than the recursion limit): never another exception."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     if len(raw) < len(_LONG_NUMBER) or _no_long_integer(raw.translate(_DIGIT_MAP)):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # json may read it (NaN, 1e400, deep nesting), or says why not
-    return json.loads(text)
+    try:
+        return json.loads(text)
+    except RecursionError:  # valid JSON nested past the interpreter's limit: unreadable here
+        raise ValueError("JSON nested too deeply to read") from None
 
 
 def loads_many(texts: list[str]) -> list[Any]:

@@ -72,13 +72,28 @@ class Request:
 
 
 def check_id(value: Any) -> str:
+    return check_name(value, "request id")
+
+
+def check_name(value: Any, what: str, most: int = MAX_ID_LENGTH) -> str:
+    """The one rule for names a caller gives (request ids, a job line's custom_id): a
+    string (or an integer, read as its digits) of 1 to ``most`` characters, valid UTF-8
+    (no lone surrogates, which a non-UTF-8 file name or argv decodes to), no control
+    characters. Redis keys are made of them and are never rewritten, so two names can
+    never become one key."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidRequest(f"request id must be a string, got {type(value).__name__}")
+        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}")
     text = str(value)
-    if not text or len(text) > MAX_ID_LENGTH:
-        raise InvalidRequest(f"request id must be 1-{MAX_ID_LENGTH} characters, got {len(text)}")
+    if not text or len(text) > most:
+        raise InvalidRequest(f"{what} must be 1-{most} characters, got {len(text)}")
     if _CONTROL.search(text):
-        raise InvalidRequest(f"request id {text[:40]!r} holds control characters")
+        raise InvalidRequest(f"{what} {text[:40]!r} holds control characters; remove them")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} {text[:40]!r} is not valid Unicode (it holds a lone "
+                             "surrogate, as a name decoded from bytes that are not UTF-8 "
+                             "does); give it as UTF-8 text") from None
     return text
 
 
@@ -176,18 +191,30 @@ class Result:
         return self.status == OK
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "Result":
-        data = loads(raw)
-        if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
-            return _frozen(cls, data)
-        return cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+    def from_json(cls, raw: str | bytes, request_id: str | None = None) -> "Result":
+        """The result stored as ``raw``. Text that is no result (written by something
+        other than a worker) raises ValueError, or, given the ``request_id`` it is stored
+        under, is that request's result with status "error" saying so: one unreadable
+        result never fails the read of others."""
+        result = _result(loads(raw) if request_id is None else _loads_or_none(raw))
+        if result is not None:
+            return result
+        if request_id is None:
+            raise ValueError(f"not a stored result: {str(raw)[:80]!r}")
+        return cls(id=request_id, status=ERROR, error={
+            "type": "ResultUnreadable", "message": "the result stored for this request is not "
+            "one a worker wrote (something else overwrote it); enqueue the request again"})
 
     @classmethod
     def from_json_many(cls, raws: list[str]) -> list["Result"]:
-        """``[Result.from_json(r) for r in raws]``, decoded together (codec.loads_many)."""
-        return [_frozen(cls, data) if data.keys() == _RESULT_KEYS else
-                cls(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
-                for data in loads_many(raws)]
+        """The results pushed onto a reply list, decoded together (codec.loads_many); an
+        entry that is no result (not a worker's) is left out: its request's waiter reads
+        the result under its id instead."""
+        try:
+            decoded = loads_many(raws)
+        except ValueError:
+            decoded = [_loads_or_none(r) for r in raws]
+        return [r for r in map(_result, decoded) if r is not None]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,6 +225,26 @@ class Result:
 
 _RESULT_FIELDS = tuple(Result.__dataclass_fields__)
 _RESULT_KEYS = set(_RESULT_FIELDS)
+
+
+def _result(data: Any) -> Result | None:
+    """A decoded result object as a Result; None when it is not one (no string id and
+    status)."""
+    if not isinstance(data, dict):
+        return None
+    if data.keys() == _RESULT_KEYS:  # what workers write: no need to pick the fields
+        return _frozen(Result, data) if isinstance(data["id"], str) and isinstance(
+            data["status"], str) else None
+    if not isinstance(data.get("id"), str) or not isinstance(data.get("status"), str):
+        return None
+    return Result(**{k: data.get(k) for k in _RESULT_FIELDS if k in data})
+
+
+def _loads_or_none(raw: Any) -> Any:
+    try:
+        return loads(raw)
+    except ValueError:
+        return None
 
 
 def _frozen(cls: type, fields: dict[str, Any]) -> Any:
@@ -213,12 +260,18 @@ def _frozen(cls: type, fields: dict[str, Any]) -> Any:
 
 def stored_body(payload: str | None) -> tuple[dict[str, Any], str | None]:
     """A stored request's JSON object, and None; or {} and why it cannot run (missing,
-    not JSON)."""
+    not JSON, not an object)."""
     try:
         body = loads(payload) if payload else None
     except ValueError as exc:
         return {}, f"its stored request is not JSON ({exc})"
-    return (body, None) if isinstance(body, dict) else ({}, "its stored request is missing")
+    if body is None:
+        return {}, "its stored request is missing"
+    if not isinstance(body, dict):
+        return {}, f"its stored request is not a JSON object (a {type(body).__name__})"
+    if "input" not in body:
+        return body, "its stored request has no input"
+    return body, None
 
 
 def stored_trace(payload: str | None) -> Any:
@@ -250,12 +303,33 @@ class Claimed:
     trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
 
     @classmethod
-    def decode(cls, id: str, payload: str | None, sched: str, failures: str | None,
+    def decode(cls, id: str, payload: str | None, sched: str | None, failures: str | None,
                token: str) -> "Claimed":
-        tokens, expire, enqueued, rank, priority, client = sched.split(":", 5)
-        body, invalid = stored_body(payload)
-        return _frozen(cls, {
-            "id": id, "input": body.get("input"), "meta": body.get("meta"),
-            "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued), "expire_ms": int(expire),
-            "priority": priority, "attempt": int(failures or 0) + 1, "lease_token": token,
-            "invalid": invalid, "rank": int(rank), "client": client, "trace": body.get("trace")})
+        """The claimed request, or, whatever is wrong with what Redis holds for it (its
+        stored JSON, its schedule entry, its attempt count), one marked ``invalid`` with
+        the reason: never an exception, so the claim's other requests and every lease it
+        took reach the worker (the per-request boundary of a claim)."""
+        try:
+            tokens, expire, enqueued, rank, priority, client = (sched or "").split(":", 5)
+            body, invalid = stored_body(payload)
+            meta = body.get("meta")
+            if invalid is None and meta is not None and not isinstance(meta, dict):
+                invalid = f"its stored meta is not a JSON object (a {type(meta).__name__})"
+            return _frozen(cls, {
+                "id": id, "input": body.get("input"), "meta": meta if invalid is None else None,
+                "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued),
+                "expire_ms": int(expire), "priority": priority,
+                "attempt": int(failures or 0) + 1, "lease_token": token, "invalid": invalid,
+                "rank": int(rank), "client": client, "trace": body.get("trace")})
+        except Exception as exc:  # the boundary: anything one request holds fails it alone
+            return cls(id=id, input=None, meta=None, tokens=1, enqueued_ms=0, expire_ms=0,
+                       priority="normal", attempt=_attempt(failures), lease_token=token,
+                       invalid=f"its stored state cannot be read ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})")
+
+
+def _attempt(failures: Any) -> int:
+    try:
+        return int(failures or 0) + 1
+    except (TypeError, ValueError):
+        return 1

@@ -100,13 +100,13 @@ class RequestQueue(QueueInspection):
 
     def result(self, request_id: str) -> Result | None:
         raw = self.client.get(self.keys.result(request_id))
-        return Result.from_json(raw) if raw else None
+        return Result.from_json(raw, request_id) if raw else None
 
     def results(self, ids: Sequence[str]) -> list[Result | None]:
         if not ids:
             return []
         raws = self.client.mget([self.keys.result(i) for i in ids])
-        return [Result.from_json(r) if r else None for r in raws]
+        return [Result.from_json(r, i) if r else None for r, i in zip(raws, ids)]
 
     def lookup(self, ids: Sequence[str]) -> list[Result | bool]:
         """Each request's Result; else True while Redis still holds it (queued, running,
@@ -114,7 +114,7 @@ class RequestQueue(QueueInspection):
         if not ids:
             return []
         call = lookup_call(self.keys, ids)
-        return parse_lookup(self.scripts.lookup(call.keys, call.args))
+        return parse_lookup(self.scripts.lookup(call.keys, call.args), ids)
 
     def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
         """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
@@ -318,7 +318,7 @@ class RequestQueue(QueueInspection):
         leased under ``token`` and the result has none yet (lua/attach.lua): a generation's
         partial text. False: not this lease's to fill, filled already, or expired."""
         raw = self.client.get(self.keys.result(request_id))
-        result = Result.from_json(raw) if raw else None
+        result = Result.from_json(raw, request_id) if raw else None
         if result is None or result.status != CANCELLED or result.output is not None:
             return False
         filled = replace(result, output=output).to_json()

@@ -43,6 +43,7 @@ class ShardClaims:
     shards: tuple[RequestQueue, ...]
     _wake: WakeWatch | None = None
     _layout_checked = 0.0
+    _last_claim: tuple[str, int] = ("", 0)  # the last claim's token and shard
 
     def _layout(self, n: int) -> None:
         raise NotImplementedError
@@ -92,6 +93,10 @@ class ShardClaims:
             due, _ = self._heads(shards, "delayed", count=False)
             retries = sorted((at, i) for i, at in enumerate(due) if at is not None)
             target = retries[0][1] if retries else 0
+        if token == self._last_claim[0] and not counts and self._last_claim[1] < len(shards):
+            target = self._last_claim[1]  # a claim sent again after its reply was lost:
+            # the shard that remembers its token hands back the batch that reply held
+        self._last_claim = (token, target)
         others = [rank for rank, i in ranked if i != target]
         if ceiling is None and others:
             ceiling = others[0] + SHARD_SLACK_MS

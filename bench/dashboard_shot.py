@@ -1,4 +1,4 @@
-"""The README's dashboard screenshot (docs/dashboard.png), from a real scene.
+"""The docs' dashboard screenshot (docs/dashboard.png), from a real scene.
 
 A private embedded Redis (in a temporary BATCHERY_HOME); queue `embed`: the packaged
 MiniLM worker, an offline job of paragraphs (batch class) and a trickle of interactive

@@ -7,10 +7,10 @@ from typing import Any
 
 import click
 
-from batchery.batching.messages import Request, parse_priority
+from batchery.batching.messages import Request, check_id, parse_priority
 from batchery.batching.sharded import open_queue
-from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
-                                 queue_option, redis_options)
+from batchery.cli_shared import (FINITE, SECONDS, connect, default_of, json_option,
+                                 print_json, queue_option, redis_options)
 from batchery.errors import InvalidRequest, NotOk, RequestNotFound
 from batchery.producer.client import Client
 
@@ -28,7 +28,7 @@ from batchery.producer.client import Client
               "(exit 7 if one is not ok).")
 @click.option("--stream", is_flag=True, help="Generation (one input): print its text as it "
               "is generated, then its result as JSON on stderr.")
-@click.option("--timeout", type=FINITE, default=60.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
               help="With --wait: for each result; with --stream: for each piece of text.")
 @json_option
 @queue_option
@@ -44,6 +44,9 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"--input number {i} is not JSON ({exc.msg} at character "
                                  f"{exc.pos}); quote it, e.g. --input '{{\"text\": \"hi\"}}'") from None
+        except RecursionError:
+            raise InvalidRequest(f"--input number {i} is JSON nested too deeply to read; "
+                                 "flatten it") from None
     if not values:
         raise click.UsageError("give at least one --text or --input")
     if request_id is not None and len(values) > 1:
@@ -117,7 +120,7 @@ def request_get(request_id: str, as_json: bool, queue: str, redis_url: str | Non
                 cluster: bool) -> None:
     """Print the request's result as JSON (status "pending" while queued or running);
     --json changes nothing here, for scripts that pass it everywhere."""
-    found = open_queue(connect(redis_url, cluster), queue).lookup([request_id])[0]
+    found = open_queue(connect(redis_url, cluster), queue).lookup([check_id(request_id)])[0]
     if found is False:
         raise RequestNotFound(f"queue {queue!r} holds no request {request_id!r}: never "
                               "enqueued, or its result expired or was delivered and deleted")
@@ -140,7 +143,7 @@ CANCEL_NAMES = {1: "cancelled_queued", 2: "cancelled_running", 3: "cancelled_alr
 def request_cancel(request_ids: tuple[str, ...], as_json: bool, queue: str,
                    redis_url: str | None, cluster: bool) -> None:
     """Cancel requests; exits 7 when one could not be (finished already, or unknown)."""
-    flags = open_queue(connect(redis_url, cluster), queue).cancel(list(request_ids))
+    flags = open_queue(connect(redis_url, cluster), queue).cancel([check_id(i) for i in request_ids])
     if as_json:
         print_json({request_id: CANCEL_NAMES[flag] for request_id, flag in zip(request_ids, flags)})
     else:

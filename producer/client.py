@@ -18,7 +18,7 @@ from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
-from batchery.errors import InvalidRequest, RequestLost, ResultTimeout
+from batchery.errors import ConfigError, InvalidRequest, RequestLost, ResultTimeout
 from batchery.producer.replies import ReplyListener
 from batchery.producer.tokens import QueueCounter
 
@@ -53,9 +53,16 @@ def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
         raise InvalidRequest("request has no 'input'")
     request_id = fields.get("id")
     return Request.validated(id=new_id() if request_id is None else request_id,
-                             input=fields["input"], priority=fields.get("priority") or "normal",
+                             input=fields["input"], priority=_given(fields, "priority", "normal"),
                              deadline=fields.get("deadline"), tokens=fields.get("tokens"),
                              meta=fields.get("meta"), count=count)
+
+
+def _given(fields: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A field's value; ``default`` only where it is absent or null (0 and "" are values:
+    the check says whether they are valid)."""
+    value = fields.get(name)
+    return default if value is None else value
 
 
 def map_requests(values: Iterable[Any], priority: str | int, deadline: float | None,
@@ -85,7 +92,7 @@ def lost(request_id: str) -> RequestLost:
 def check_timeout(timeout: float | None) -> float | None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or math.isnan(timeout) or timeout < 0):
-        raise ValueError(f"timeout must be None (no limit) or seconds >= 0, got {timeout!r}")
+        raise ConfigError(f"timeout must be None (no limit) or seconds >= 0, got {timeout!r}")
     return None if timeout is None or math.isinf(timeout) else timeout
 
 

@@ -26,6 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Hypothesis' 200 ms deadline per example measures the machine's load, not the code: off.
 settings.register_profile("batchery", deadline=None)
 settings.load_profile("batchery")
+# `make fuzz` runs the property tests with this many times their examples (a long run;
+# `make test` runs a few hundred in all)
+FUZZ_SCALE = max(1, int(os.environ.get("BATCHERY_FUZZ_SCALE", "1") or 1))
+
+
+def examples(n: int) -> int:
+    """A property test's example count, scaled up by `make fuzz`."""
+    return n * FUZZ_SCALE
 
 
 def free_port(below: int = 65536) -> int:

@@ -25,9 +25,14 @@ from collections import Counter
 
 class FaultyProxy:
     def __init__(self, upstream_port: int, drop_reply: float = 0.0, cut_command: float = 0.0,
-                 delay_s: float = 0.0, seed: int = 0) -> None:
+                 delay_s: float = 0.0, seed: int = 0, cut_large_every: int = 0,
+                 large_bytes: int = 8192) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
         self.drop_reply, self.cut_command, self.delay_s = drop_reply, cut_command, delay_s
+        # every cut_large_every-th reply whose first chunk holds large_bytes or more is cut
+        # in half and its connection closed (0: never): a claim's reply lost on a flaky
+        # network (one draw per reply, not per chunk: a long reply is not always lost)
+        self.cut_large_every, self.large_bytes, self._large = cut_large_every, large_bytes, 0
         self.random = random.Random(seed)
         self.faults: Counter[str] = Counter()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -37,6 +42,7 @@ class FaultyProxy:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._marker: bytes | None = None  # see drop_reply_to
+        self._doomed_left = 0
         self._thread = threading.Thread(target=self._accept, name="proxy", daemon=True)
         self._thread.start()
 
@@ -44,16 +50,20 @@ class FaultyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def drop_reply_to(self, marker: bytes) -> None:
-        """Drop the reply to the next command holding ``marker`` (once): the command runs,
-        its connection closes before the caller hears back, so the caller retries it."""
+    def drop_reply_to(self, marker: bytes, times: int = 1) -> None:
+        """Drop the replies to the next ``times`` commands holding ``marker``: each runs,
+        its connection closes before the caller hears back, so the caller retries it
+        (``times`` past the client's retries: the call fails, and the caller's own
+        recovery is what is tested)."""
         with self._lock:
-            self._marker = marker
+            self._marker, self._doomed_left = marker, times
 
     def _doom(self, data: bytes) -> bool:
         with self._lock:
             if self._marker is not None and self._marker in data:
-                self._marker = None
+                self._doomed_left -= 1
+                if self._doomed_left <= 0:
+                    self._marker = None
                 return True
             return False
 
@@ -80,6 +90,13 @@ class FaultyProxy:
         with self._lock:
             return self.random.random() < p
 
+    def _cut_large(self, data: bytes) -> bool:
+        if not self.cut_large_every or len(data) < self.large_bytes or not self.faulty.is_set():
+            return False
+        with self._lock:
+            self._large += 1
+            return self._large % self.cut_large_every == 0
+
     def _count(self, fault: str) -> None:
         with self._lock:
             self.faults[fault] += 1
@@ -94,6 +111,7 @@ class FaultyProxy:
         server.settimeout(None)
         peers = {client: server, server: client}
         doomed = False  # the reply on its way answers a command whose reply is to be lost
+        fresh = False  # the next chunk from Redis starts a reply (a command went out since)
         with selectors.DefaultSelector() as sel:
             sel.register(client, selectors.EVENT_READ)
             sel.register(server, selectors.EVENT_READ)
@@ -106,7 +124,10 @@ class FaultyProxy:
                             self._count("replies dropped on purpose")
                             return
                         doomed = doomed or (source is client and self._doom(data))
-                        if not data or not self._forward(data, source is client, peers[source]):
+                        starts_reply, fresh = (source is server and fresh), (
+                            source is client or (fresh and source is not server))
+                        if not data or not self._forward(data, source is client, peers[source],
+                                                         starts_reply):
                             return
             except OSError:
                 return
@@ -114,7 +135,8 @@ class FaultyProxy:
                 client.close()
                 server.close()
 
-    def _forward(self, data: bytes, to_redis: bool, target: socket.socket) -> bool:
+    def _forward(self, data: bytes, to_redis: bool, target: socket.socket,
+                 starts_reply: bool = False) -> bool:
         """Send ``data`` on, or inject a fault; False: close the connection."""
         if to_redis:
             if len(data) > 1 and self._draw(self.cut_command):
@@ -126,6 +148,10 @@ class FaultyProxy:
                 time.sleep(self.random.uniform(0, self.delay_s))
             if self._draw(self.drop_reply):
                 self._count("replies dropped")
+                return False
+            if starts_reply and self._cut_large(data):
+                target.sendall(data[:len(data) // 2])
+                self._count("large replies cut")
                 return False
         target.sendall(data)
         return True

@@ -1,8 +1,10 @@
-"""Least privilege: the producer-only and worker-only Redis ACL users of the README work,
-and what each may not do, against a real Redis 7 with real users."""
+"""Least privilege: the producer-only and worker-only Redis ACL users of the docs
+(docs/guides/least-privilege.md) work, and what each may not do, against a real Redis 7
+with real users."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -11,27 +13,23 @@ import redis
 
 from batchery import Client
 from batchery.batching.queue import RequestQueue
-from tests.conftest import (RedisServer, newest_redis_server, run_cli, start_worker,
+from tests.conftest import (ROOT, RedisServer, newest_redis_server, run_cli, start_worker,
                             stop_process, wait_for)
 
-# The README's "Least privilege" section, verbatim.
-PRODUCER_ACL = (
-    "on >producer-secret resetchannels "
-    "+ping +evalsha +script|load +info +time "
-    "+get +mget +exists +del +sadd +blpop +lpop +rpush +ltrim +expire +set "
-    "+hget +hmget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard +zscore "
-    "~batchery:queues ~batchery:{*}:pending ~batchery:{*}:delayed ~batchery:{*}:leased "
-    "~batchery:{*}:dead "
-    "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
-    "~batchery:{*}:history ~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake "
-    "~batchery:{*}:result:* ~batchery:{*}:reply:* ~batchery:{*}:settings ~batchery:{*}:call:* "
-    "~batchery:{*}:cancelled:*")
-WORKER_ACL = (
-    "on >worker-secret resetchannels "
-    "+ping +evalsha +script|load +time "
-    "+get +set +sadd +blpop +rpush +expire +hget +hmget +hgetall +hexists +hset +hdel "
-    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore +zcount "
-    "~batchery:*")
+
+def documented_acl(user: str) -> str:
+    """The rules docs/guides/least-privilege.md gives the user, its PASSWORD made real: the
+    page and this test cannot disagree."""
+    page = (ROOT / "docs" / "guides" / "least-privilege.md").read_text()
+    for block in re.findall(r"```text\n(.*?)```", page, re.S):
+        words = block.split()
+        if words[:3] == ["ACL", "SETUSER", user]:
+            return " ".join(words[3:]).replace(">PASSWORD", f">{user}-secret")
+    raise AssertionError(f"docs/guides/least-privilege.md has no ACL SETUSER {user} block")
+
+
+PRODUCER_ACL = documented_acl("producer")
+WORKER_ACL = documented_acl("worker")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ COMMAND_MODULES = ("batchery.cli_shared", "batchery.queue_cli", "batchery.produc
 # Commands that print no result: they run until stopped and write logs.
 NO_JSON = {("worker",): "runs until stopped; logs only",
            ("job", "worker"): "runs until stopped; logs only",
-           ("jobs-worker",): "the former name of job worker",
            ("dashboard",): "serves a web page until stopped",
            ("serve",): "serves the OpenAI API until stopped"}
 # Environment variables batchery reads that are no option: none may be an option's name.
@@ -92,5 +91,8 @@ def test_json_outputs_parse(redis_url: str, queue_name: str) -> None:
     purged = json.loads(run_cli("queue", "dead", "purge", "--all", "-q", queue_name, "--json",
                                 redis_url=redis_url).stdout)
     assert purged == {"queue": queue_name, "purged": 0}
-    former = run_cli("stats", "--json", "-q", queue_name, redis_url=redis_url)  # hidden alias
-    assert json.loads(former.stdout)["queues"][queue_name]["paused"] is True
+    stats = run_cli("queue", "stats", "--json", "-q", queue_name, redis_url=redis_url)
+    assert json.loads(stats.stdout)["queues"][queue_name]["paused"] is True
+    for former in ("stats", "dead", "status", "results", "cancel", "jobs-worker"):
+        dropped = run_cli(former, "--help")  # the first wave's names: gone before a release
+        assert dropped.returncode == 2 and "No such command" in dropped.stderr, former

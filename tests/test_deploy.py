@@ -1,7 +1,7 @@
 """deploy/ and the Procfile stay true to the code (no network, Docker or Kubernetes needed).
 
-Every YAML and JSON file parses; every `batchery` command line in them (and in the README's
-Deploy section) parses with batchery's own click commands; every environment variable
+Every YAML and JSON file parses; every `batchery` command line in them (and in the docs'
+deploy page) parses with batchery's own click commands; every environment variable
 they set is one batchery reads; every metric a PromQL query names is declared in
 workers/metrics.py with the labels used; and the manifests agree with each other (ports,
 selectors, the queue KEDA watches, the files the Dockerfile copies).
@@ -480,24 +480,22 @@ def test_procfile_runs_redis_worker_and_jobs(check: Any) -> None:
 def test_documented_command_lines_parse(check: Any) -> None:
     texts = {p.relative_to(ROOT).as_posix(): p.read_text()
              for p in [PROCFILE, DOCKERFILE, *sorted(DEPLOY.rglob("*.yaml"))]}
-    readme = (ROOT / "README.md").read_text()
-    deploy = re.search(r"^## Deploy\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
-    assert deploy, "README.md has no '## Deploy' section"
+    deploy = (ROOT / "docs" / "guides" / "deploy.md").read_text()
     found = 0
     for where, text in texts.items():
         for argv, at, loose in _examples(text, where):
             check(argv, at, loose=loose)
             found += 1
-    for span in re.findall(r"`(batchery\s[^`]*)`", deploy.group(1)):
-        check(shlex.split(span), "README Deploy", loose=True)
+    for span in re.findall(r"`(batchery\s[^`]*)`", deploy):
+        check(shlex.split(span), "docs/guides/deploy.md", loose=True)
         found += 1
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", deploy.group(1), re.S):
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", deploy, re.S):
         for n, line in enumerate(block.replace("\\\n", " ").splitlines(), 1):
             m = re.search(r"(?:^|\s--\s|\$\()\s*(batchery\s[^)#]*)", line)
             if m:
-                check(shlex.split(_unshell(m.group(1))), f"README Deploy block line {n}")
+                check(shlex.split(_unshell(m.group(1))), f"docs/guides/deploy.md block line {n}")
                 found += 1
-    assert found >= 5, "expected documented batchery commands in deploy/ and the README"
+    assert found >= 5, "expected documented batchery commands in deploy/ and docs/guides/deploy.md"
 
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from batchery import Client, InvalidRequest
 from batchery.batching.messages import Request
-from tests.conftest import RedisServer, start_worker, stop_process, wait_for
+from tests.conftest import RedisServer, examples, start_worker, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def answered(served: tuple, handles: list) -> list:
     """Every accepted request ends with a result that says what happened; the worker lives."""
     _, worker, log = served
     results = [h.result(timeout=120) for h in handles]
-    for result in results:
+    for handle, result in zip(handles, results):
+        assert result.id == handle.id  # never another request's result
         assert result.status in ("ok", "error", "expired"), result
         if result.status == "ok":
             assert len(result.output) == 384
@@ -72,7 +73,7 @@ def test_any_input_is_refused_clearly_or_answered(served: tuple) -> None:
     client, accepted = served[0], []
 
     @given(st.one_of(json_values, awkward, lone_surrogates))
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     def enqueue(value: Any) -> None:
         submit(client, accepted, {"input": value})
     enqueue()
@@ -88,7 +89,7 @@ def test_any_request_fields_are_refused_clearly_or_accepted(served: tuple) -> No
                                  optional={"priority": field_values, "deadline": field_values,
                                            "tokens": field_values, "meta": field_values,
                                            "id": field_values}))
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=examples(150), deadline=None)
     def enqueue(fields: dict) -> None:
         submit(client, accepted, fields)
     enqueue()

@@ -19,13 +19,13 @@ def blocks(language: str) -> list[str]:
 
 def test_command_lines_parse(check) -> None:  # noqa: F811
     found = 0
-    for block in blocks("shell"):
+    for block in blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             m = re.search(r"(?:^|\s)(batchery\s[^&#]*)", line)
             if m:
                 check(shlex.split(m.group(1)), f"docs/gateway.md: {line}")
                 found += 1
-    assert found >= 4
+    assert found >= 6
 
 
 def test_python_examples_compile_and_key_lines_load(tmp_path) -> None:

@@ -264,3 +264,27 @@ def test_a_retried_fail_reports_what_the_first_run_did(
     assert proxy.faults["replies dropped on purpose"] == 1
     assert queue.stats()["totals"][total] == 1
     assert fail_all(queue, claimed) == [0]  # a new call after the lease is gone: lost
+
+
+def test_retried_renew_release_and_reap_change_nothing_twice(
+        queue: RequestQueue, flaky: tuple[FaultyProxy, RequestQueue]) -> None:
+    """The other scripts that hold, give back or take back leases, each run twice (its
+    first reply lost): the second run finds the work done and does it not again."""
+    proxy, through_proxy = flaky
+    queue.update_settings(lease_seconds=1)
+    queue.enqueue([Request(id=i, input=i) for i in ("a", "b", "c")], "c")
+    a, b, c = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    lose_next_reply(proxy, through_proxy, "renew")
+    assert through_proxy.renew("w", [(a.id, a.lease_token)]) == []  # still held
+    lose_next_reply(proxy, through_proxy, "release")
+    through_proxy.release([(b.id, b.lease_token)])
+    assert queue.client.zrange(queue.keys.pending, 0, -1) == ["b"]
+    assert queue.stats()["pending"] == 1 and queue.depth() == {"normal": 1}
+    lose_next_reply(proxy, through_proxy, "reap")
+    wait_for(lambda: (through_proxy.reap(), queue.stats()["pending"] == 3)[1], timeout=10,
+             message="a and c's leases to lapse and be taken back")
+    assert proxy.faults["replies dropped on purpose"] == 3
+    assert sorted(queue.client.zrange(queue.keys.pending, 0, -1)) == ["a", "b", "c"]
+    assert queue.stats()["pending"] == 3 and queue.depth() == {"normal": 3}
+    again = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert {r.id: r.attempt for r in again} == {"a": 2, "b": 1, "c": 2}  # one lost lease each

@@ -21,7 +21,7 @@ MAXMEMORY = 8 << 20
 
 @pytest.fixture
 def small_redis() -> Iterator[RedisServer]:
-    """A Redis of its own with a small maxmemory and no eviction (what README recommends)."""
+    """A Redis of its own with a small maxmemory and no eviction (what docs/concepts/memory.md recommends)."""
     server = RedisServer("--maxmemory", str(MAXMEMORY), "--maxmemory-policy", "noeviction")
     yield server
     server.close()

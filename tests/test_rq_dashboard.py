@@ -1,5 +1,5 @@
-"""RQ's own tools show batchery's offline jobs, run exactly as the README shows them:
-rq-dashboard (`rq-dashboard -u URL -j`) in headless Chromium, and `rq info --url URL
+"""RQ's own tools show batchery's offline jobs, run exactly as docs/guides/offline-jobs.md
+shows them: rq-dashboard (`rq-dashboard -u URL -j`) in headless Chromium, and `rq info --url URL
 --serializer json QUEUE`, for a job while it runs and once it has finished."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent  # the venv's console scripts: rq, rq-dashboar
 
 @contextmanager
 def rq_dashboard(redis_url: str, log: Path) -> Iterator[str]:
-    """The README's `rq-dashboard -u URL -j`, on a free loopback port; yields its address."""
+    """The docs' `rq-dashboard -u URL -j`, on a free loopback port; yields its address."""
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(BIN / "rq-dashboard"), "-u", redis_url, "-j",
@@ -48,7 +48,7 @@ def _answers(proc: subprocess.Popen, url: str, log: Path) -> bool:
 
 
 def rq_info(redis_url: str, queue: str) -> str:
-    """The README's `rq info --url URL --serializer json QUEUE`."""
+    """The docs' `rq info --url URL --serializer json QUEUE`."""
     done = subprocess.run([str(BIN / "rq"), "info", "--url", redis_url, "--serializer", "json",
                            queue], capture_output=True, text=True, timeout=60, env=cli_env())
     assert done.returncode == 0, done.stderr
@@ -145,7 +145,7 @@ def test_rq_dashboard_and_rq_info_show_a_running_then_a_finished_job(
             result = json.loads(job_fields(browser)["Result"])
             assert result["phase"] == "finished" and result["ok"] == 20 and result["error"] == 0
             # rq-dashboard 0.9 lists workers only while none runs a job: it reads a busy
-            # worker's job with pickle, whatever -j says (the README says so)
+            # worker's job with pickle, whatever -j says (the docs say so)
             assert shows(browser, f"{board}/0/view/workers", worker_rows,
                          lambda rows: any(r.endswith(f"idle {jobs_queue}") for r in rows))
             info = rq_info(redis_url, jobs_queue)

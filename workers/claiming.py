@@ -38,6 +38,10 @@ class Claimer(threading.Thread):
         self.batches: queue.Queue[tuple[Batch | None, bool]] = queue.Queue()
         self.slots = threading.Semaphore(options.prefetch)  # one per claim not yet running
         self._claims = 0
+        # the token of a claim whose reply never came back (its call failed): the next
+        # claim goes out under it again, so the script hands back the batch the lost reply
+        # held (lua/claim.lua remembers a token's batch) instead of it waiting out a lease
+        self._unanswered: str | None = None
         # a runner that counts tokens exactly prices what producers could only estimate
         self.counts = getattr(runner, "count_tokens", lambda _: None)(["a"]) is not None
 
@@ -128,11 +132,15 @@ class Claimer(threading.Thread):
                        max_wait_ms: int) -> tuple[list[Claimed], ClaimReply]:
         """Lease the next requests that fit; those past their deadline or unreadable are
         finished at once (``on_final``). The runnable ones, and the claim's reply."""
-        self._claims += 1
-        token = f"{self.options.worker_id}#{self._claims}"
+        token = self._unanswered
+        if token is None:
+            self._claims += 1
+            token = f"{self.options.worker_id}#{self._claims}"
+        self._unanswered = token
         reply = self._claim(token, max_size, max_tokens, max_wait_ms)
+        self._unanswered = None
+        self.leases.add(reply.expired + reply.batch)  # first: nothing after it loses a lease
         tracing.claimed(self.queue.name, self.options.worker_id, reply)
-        self.leases.add(reply.expired + reply.batch)
         invalid = [r for r in reply.batch if r.invalid]
         if reply.expired or invalid:
             self.on_final(Executed(reply.now_ms, [
@@ -165,13 +173,21 @@ class Claimer(threading.Thread):
         inputs = [value for _, value in candidates]
         try:
             counts = self.runner.count_tokens(inputs) or [None] * len(inputs)
-        except Exception as exc:  # a tokenizer bug must not stop claiming: keep estimates
-            log.warning("could not count tokens (%s); keeping the producers' estimates", exc)
-            counts = [None] * len(inputs)
+        except Exception:  # one input the tokenizer cannot take: count each alone
+            counts = [self._count_one(value) for value in inputs]
         # an input that cannot run keeps its estimate, unmarked: it fails when it runs
         exact = [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
         metrics.REPRICED.inc(len(exact))
         return exact
+
+    def _count_one(self, value: Any) -> int | None:
+        """One input's exact tokens; None (its estimate stands) when it cannot be counted."""
+        try:
+            return (self.runner.count_tokens([value]) or [None])[0]
+        except Exception as exc:  # it fails alone when it runs
+            log.info("could not count an input's tokens (%s: %s); keeping its estimate",
+                     type(exc).__name__, str(exc)[:200])
+            return None
 
     def idle(self, reply: ClaimReply) -> None:
         """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""

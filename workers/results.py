@@ -135,9 +135,10 @@ class ResultWriter(threading.Thread):
                                 "batch_size": o.batch_size or None,
                                 "queued_ms": max(0, claimed_ms - r.enqueued_ms),
                                 "run_ms": o.run_ms or None}
-        try:  # a lone surrogate becomes "?", as the connection would write it
+        try:  # a lone surrogate in the output becomes "?"
             return status, encode_message(body, "output", errors="replace")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # any output that cannot be written fails its request alone
             body.update(status=ERROR, output=None, error={
-                "type": "OutputNotJSON", "message": f"the runner's output is not JSON: {exc}"})
+                "type": "OutputNotJSON", "message": f"the runner's output is not JSON: "
+                                                    f"{type(exc).__name__}: {str(exc)[:500]}"})
             return ERROR, encode_message(body, "output", errors="replace")

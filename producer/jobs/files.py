@@ -18,7 +18,8 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from batchery.batching.messages import MAX_ID_LENGTH, Request, Result, dumps, unknown_class
+from batchery.batching.messages import (MAX_ID_LENGTH, Request, Result, check_name, dumps,
+                                        unknown_class)
 from batchery.batching.settings import QueueSettings
 from batchery.errors import InvalidRequest
 from batchery.producer import openai_api
@@ -85,9 +86,9 @@ class Invalid:
     code: str                # not_json | not_object | bad_id | duplicate_id | no_input | too_large | invalid
     reason: str
 
-    def to_json(self) -> str:
-        return dumps({"line": self.number, "custom_id": self.custom_id, "error": self.code,
-                      "reason": self.reason})
+    def record(self) -> dict[str, Any]:
+        return {"line": self.number, "custom_id": self.custom_id, "error": self.code,
+                "reason": self.reason}
 
 
 def _no_constants(name: str) -> Any:
@@ -105,13 +106,18 @@ class LineParser:
         self.seen = IdSet()
 
     def parse(self, number: int, raw: bytes | None, written: bool = False) -> Line | Invalid | None:
-        """The line's verdict; None for a line an earlier run wrote (its id still counts)."""
-        verdict = self._identify(number, raw)
-        if written:
-            return None
-        if isinstance(verdict, Invalid):
-            return verdict
-        return self._request(number, *verdict)
+        """The line's verdict; None for a line an earlier run wrote (its id still counts).
+        Never raises: whatever one line holds makes that line Invalid, not the job fail."""
+        try:
+            verdict = self._identify(number, raw)
+            if written:
+                return None
+            if isinstance(verdict, Invalid):
+                return verdict
+            return self._request(number, *verdict)
+        except Exception as exc:  # the per-line boundary
+            return Invalid(number, None, "invalid", f"line cannot be read ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})")
 
     def _identify(self, number: int, raw: bytes | None) -> tuple[dict[str, Any], str, Any] | Invalid:
         """The line's object and id (registered, so that a later line with it is a duplicate)."""
@@ -128,10 +134,10 @@ class LineParser:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             return Invalid(number, None, "bad_id", f"{field} must be a string or an integer, "
                            f"got {_kind(value)}")
-        text = str(value)
-        if not text or len(text) > self.max_id or any(ord(ch) < 32 for ch in text):
-            return Invalid(number, value, "bad_id", f"{field} must be 1-{self.max_id} characters "
-                           "without control characters")
+        try:
+            text = check_name(value, field, self.max_id)
+        except InvalidRequest as exc:
+            return Invalid(number, value, "bad_id", str(exc))
         if not self.seen.add(text):
             return Invalid(number, value, "duplicate_id", f"duplicate {field} {text[:80]!r}: an "
                            "earlier line has it; ids must be unique within a file")
@@ -150,6 +156,9 @@ class LineParser:
                            f"{exc.colno})")
         except ValueError as exc:
             return Invalid(number, None, "not_json", f"line is not JSON ({exc})")
+        except RecursionError:
+            return Invalid(number, None, "not_json", "line is JSON nested too deeply to read; "
+                           "flatten it")
         if not isinstance(obj, dict):
             return Invalid(number, None, "not_object", "line must be a JSON object like "
                            f'{{"custom_id": "a1", "input": ...}}, got {_kind(obj)}')
@@ -172,7 +181,8 @@ class LineParser:
         request_id = f"{self.job_id}:{value}" if value is not None else f"{self.job_id}#{number}"
         fields = {k: v for k, v in obj.items() if k != field}
         fields["id"] = request_id
-        fields["priority"] = fields.get("priority", self.priority)
+        if fields.get("priority") is None:  # absent or null: the job's priority
+            fields["priority"] = self.priority
         if self.expires_at is not None:
             fields.setdefault("deadline", max(self.expires_at - time.time(), 0.001))
         try:
@@ -188,6 +198,16 @@ class LineParser:
                            f"max_request_bytes of {self.settings.max_request_bytes}; shorten it or "
                            "raise the limit with `batchery queue config QUEUE --max-request-bytes N`")
         return Line(number, field, value, request, call)
+
+
+def jsonl(record: dict[str, Any]) -> bytes:
+    """One output line: UTF-8 JSON; a string that is not valid Unicode (a refused line's
+    custom_id holding a lone surrogate) is written as its \\u escape, as it was read, so
+    every line can be written."""
+    try:
+        return dumps(record).encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(record, separators=(",", ":")).encode("ascii") + b"\n"
 
 
 def _no_new_ids() -> str:
@@ -338,7 +358,7 @@ class JobFiles:
         if self.openai:  # ok lines to the output, the others to the errors file
             ok, line_ = openai_api.batch_result_line(line.number, line.custom_id, line.call,
                                                      result, line.request.tokens)
-            (self._out if ok else self._err).write(dumps(line_).encode("utf-8") + b"\n")
+            (self._out if ok else self._err).write(jsonl(line_))
             return
         record: dict[str, Any] = {line.id_field: line.custom_id, "line": line.number,
                                   "status": result.status, "output": result.output}
@@ -346,12 +366,12 @@ class JobFiles:
             record["error"] = result.error
         record["attempts"] = result.attempts
         record["queued_ms"] = result.queued_ms
-        self._out.write(dumps(record).encode("utf-8") + b"\n")
+        self._out.write(jsonl(record))
 
     def invalid(self, line: Invalid) -> None:
-        text = dumps(openai_api.batch_invalid_line(line.number, line.custom_id, line.reason)) \
-            if self.openai else line.to_json()
-        self._err.write(text.encode("utf-8") + b"\n")
+        record = openai_api.batch_invalid_line(line.number, line.custom_id, line.reason) \
+            if self.openai else line.record()
+        self._err.write(jsonl(record))
 
     def flush(self) -> None:
         self._out.flush()

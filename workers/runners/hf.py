@@ -55,7 +55,7 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: float16 on CUDA (MiniLM embeddings within 3.3e-4 of float32, see README),
+    """auto: float16 on CUDA (MiniLM embeddings within 3.3e-4 of float32, see docs/guides/workers.md),
     float32 elsewhere (half precision on a CPU is slower, not faster)."""
     if dtype == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
