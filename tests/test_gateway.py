@@ -4,6 +4,8 @@ MiniLM embed worker and a tiny random GPT-2 generate worker, each a real process
 from __future__ import annotations
 
 import base64
+import http.client
+import json
 import struct
 import threading
 import uuid
@@ -211,6 +213,18 @@ def test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels(gateway, qu
             call.join(30)  # the SDK gave up: the gateway cancels its request
             wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
                      message="the disconnected caller's request cancelled")
+
+
+def test_a_stream_whose_client_goes_away_is_cancelled(gateway, queues, redis_server) -> None:
+    body = json.dumps({"model": queues["idle"], "prompt": "waits", "stream": True})
+    with Client(redis_server.url, queues["idle"]) as direct:
+        connection = http.client.HTTPConnection(gateway.url.removeprefix("http://"), timeout=30)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200  # the stream began: headers sent
+        wait_for(lambda: direct.queue.stats()["pending"] == 1, 10, message="the request queued")
+        connection.close()
+        wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
+                 message="the streamed request cancelled once its client left")
 
 
 def _swallow(action: Any) -> None:
