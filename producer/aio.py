@@ -25,8 +25,10 @@ from batchery.producer.tokens import TokenCounter
 
 
 class AsyncHandle:
-    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future) -> None:
+    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future,
+                 tokens: int | None = None) -> None:
         self.id = request_id
+        self.tokens = tokens  # the request's cost as priced at enqueue (None: estimated later)
         self._client = client
         self._future = future
 
@@ -150,7 +152,7 @@ class AsyncClient:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
         await self._enqueue(batch)
-        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
+        return [AsyncHandle(self, r.id, f, r.tokens) for r, f in zip(batch, futures)]
 
     async def _enqueue(self, batch: list[Request]) -> None:
         with tracing.enqueue(self.queue.name, batch) as batch:

@@ -19,9 +19,11 @@ COMMAND_MODULES = ("batchery.cli_shared", "batchery.queue_cli", "batchery.produc
 # Commands that print no result: they run until stopped and write logs.
 NO_JSON = {("worker",): "runs until stopped; logs only",
            ("job", "worker"): "runs until stopped; logs only",
-           ("dashboard",): "serves a web page until stopped"}
+           ("dashboard",): "serves a web page until stopped",
+           ("serve",): "serves the OpenAI API until stopped"}
 # Environment variables batchery reads that are no option: none may be an option's name.
-NOT_OPTIONS = {config.ENV_HOME, config.ENV_NO_EMBEDDED, config.ENV_REDIS_URL_FALLBACK}
+NOT_OPTIONS = {config.ENV_HOME, config.ENV_NO_EMBEDDED, config.ENV_REDIS_URL_FALLBACK,
+               config.ENV_API_KEYS}
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)

@@ -23,7 +23,9 @@ from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
+from batchery.workers.runners.base import InputError
 from batchery.workers.runners.hf import resolve_model
+from batchery.workers.runners.sampling import parse_params
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
 
 LONG = 400  # new tokens of a sequence that runs for a couple of seconds here
@@ -91,6 +93,22 @@ def test_lengths_are_exact_and_greedy_text_matches_a_static_batch(worker, client
     assert {r.output["finish_reason"] for r in results} == {"length"}
     static = runner.run(runner.prepare([{"prompt": "x " * 40, "max_new_tokens": 33}]).data)[0]
     assert results[2].output["text"] == static["text"]
+
+
+def test_chat_messages_render_through_the_template_or_a_plain_transcript(worker, client,
+                                                                          runner, monkeypatch) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.enqueue({"messages": messages, "max_new_tokens": 5}).result(timeout=60)
+    plain = client.enqueue({"prompt": "system: be brief\nuser: hi\nassistant:",
+                            "max_new_tokens": 5}).result(timeout=60)
+    assert chat.ok and chat.output["text"] == plain.output["text"]  # no template: a transcript
+    assert chat.output["prompt_tokens"] == plain.output["prompt_tokens"] > 0
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    monkeypatch.setattr(runner._tokenizer, "chat_template", template, raising=False)
+    params = parse_params({"messages": messages})
+    assert runner.prompt(params) == "<system>be brief<user>hi<assistant>"
+    with pytest.raises(InputError, match="messages"):
+        parse_params({"messages": [{"role": "user"}]})
 
 
 def test_eos_ends_a_sequence(worker, client, runner, monkeypatch) -> None:
@@ -201,7 +219,9 @@ def test_cancel_stops_a_running_sequence_and_frees_its_room(worker, client) -> N
     assert result.status == "cancelled"
     streamed = "".join(e.text for e in events[:-1])
     tokens = max(e.tokens for e in events[:-1])
-    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled"}
+    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled",
+                             "prompt_tokens": result.output["prompt_tokens"]}
+    assert result.output["prompt_tokens"] > 0
     assert 0 < tokens < LONG
     wait_for(lambda: not worker.loop.batch.rows, timeout=5, message="the sequence to leave")
 

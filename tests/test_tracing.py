@@ -162,7 +162,7 @@ def test_batch_links_retries_fallback_and_dead(redis_url: str, queue_name: str,
     assert sorted(batch.links) == sorted((a[0].trace_id, a[0].span_id) for v, a in attempts.items()
                                          if v != "late")
     assert "cannot process 'bad'" in batch.error
-    # each then ran alone: a fallback run after its failed part of the batch
+    # then in halves: a fallback run after its failed part of the batch ("x", "y" passed)
     x = attempts["x"][0]
     assert [s.name for s in spans.children(x)] == ["queue wait", "tokenize", "model run",
                                                   "tokenize", "fallback run", "commit"]
@@ -211,7 +211,7 @@ def test_off_imports_nothing_and_keeps_the_payload() -> None:
 
 
 def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
-    done = run_cli("stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
+    done = run_cli("queue", "stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "OTEL_" in done.stderr and "nosuch" in done.stderr
 

@@ -1,8 +1,9 @@
 """Per-request generation parameters, and choosing the next token of each sequence.
 
-An input is a prompt string, or an object with ``prompt`` (or ``text``) and any of
-``max_new_tokens``, ``stop``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and
-``stream``. Greedy unless ``temperature`` > 0; a seeded request draws from its own
+An input is a prompt string, or an object with ``prompt`` (or ``text``, or chat
+``messages``: a list of ``{"role", "content"}`` that the runner renders with its
+tokenizer's chat template) and any of ``max_new_tokens``, ``stop``, ``temperature``,
+``top_p``, ``top_k``, ``seed`` and ``stream``. Greedy unless ``temperature`` > 0; a seeded request draws from its own
 generator, so the same seed gives the same text.
 """
 
@@ -19,7 +20,7 @@ from batchery.workers.runners.base import InputError
 DEFAULT_NEW_TOKENS = 32  # a short answer unless the request asks for more
 MAX_NEW_TOKENS = 1024    # bounds one sequence's KV cache and its stream
 MAX_STOPS, MAX_STOP_CHARS = 16, 200
-FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "seed",
+FIELDS = ("prompt", "text", "messages", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "seed",
           "stream")
 
 
@@ -33,6 +34,7 @@ class GenParams:
     top_k: int = 0                  # 0: no limit
     seed: int | None = None         # None: a fresh random seed per run
     stream: bool = False            # write each token to the request's Redis stream
+    messages: tuple[tuple[str, str], ...] = ()  # chat (role, content) pairs; prompt is then ""
 
     @property
     def greedy(self) -> bool:
@@ -54,10 +56,11 @@ def parse_params(value: Any) -> GenParams:
     unknown = sorted(set(map(str, value)) - set(FIELDS))
     if unknown:
         raise InputError(f"unknown generation field(s) {unknown}; allowed: {', '.join(FIELDS)}")
-    prompt = value.get("prompt", value.get("text"))
+    messages = _messages(value["messages"]) if "messages" in value else ()
+    prompt = "" if messages else value.get("prompt", value.get("text"))
     if not isinstance(prompt, str):
-        raise InputError("input must have a string 'prompt' (or 'text')")
-    return GenParams(prompt=prompt,
+        raise InputError("input must have a string 'prompt' (or 'text', or chat 'messages')")
+    return GenParams(prompt=prompt, messages=messages,
                      max_new_tokens=_int(value, "max_new_tokens", DEFAULT_NEW_TOKENS, 1, MAX_NEW_TOKENS),
                      stop=_stops(value.get("stop")),
                      temperature=_number(value, "temperature", 0.0, 0.0, 100.0),
@@ -65,6 +68,14 @@ def parse_params(value: Any) -> GenParams:
                      top_k=_int(value, "top_k", 0, 0, 1_000_000),
                      seed=_int(value, "seed", None, 0, 2**63 - 1),
                      stream=_bool(value, "stream"))
+
+
+def _messages(messages: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InputError('messages must be a non-empty list of {"role": str, "content": str}')
+    return tuple((m["role"], m["content"]) for m in messages)
 
 
 def _int(value: dict[str, Any], name: str, default: Any, low: int, high: int) -> Any:
