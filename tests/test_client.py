@@ -74,19 +74,47 @@ def test_result_and_map_preserve_order(redis_url: str, queue_name: str) -> None:
     assert {r.status for r in results} == {"ok"}
 
 
+def drawn_while_no_worker_runs(redis_url: str, client: Client, call, inputs: list,
+                               limit: int) -> list:
+    """Run ``call(inputs)`` (a stream or map with ``max_in_flight=limit``) with no worker:
+    once ``limit`` requests are queued it must draw no more of ``inputs`` and queue no more
+    until results come. Then a worker serves them all; returns the results."""
+    drawn = []
+
+    def source():
+        for value in inputs:
+            drawn.append(value)
+            yield value
+    results: list = []
+    caller = threading.Thread(target=lambda: results.extend(call(source())))
+    caller.start()
+    try:
+        # with no worker nothing completes: what is queued now is all it keeps in flight
+        wait_for(lambda: client.queue.stats()["pending"] >= limit, 30,
+                 message=f"{limit} requests queued")
+        queued = client.queue.stats()["pending"]
+        assert queued == limit, f"{queued} requests queued at once, max_in_flight={limit}"
+        assert len(drawn) == limit  # nor drawn from the input ahead of room
+    finally:
+        with BackgroundWorker(redis_url, client.queue.name, max_batch_size=8):
+            caller.join(60)
+    assert not caller.is_alive()
+    return results
+
+
 def test_stream_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str) -> None:
-    seen_pending = []
-    with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name,
-                                                                    max_batch_size=8):
-        def requests():
-            for i in range(200):
-                if i % 20 == 0:
-                    stats = client.queue.stats()
-                    seen_pending.append(stats["pending"] + stats["inflight"])
-                yield {"input": i}
-        results = list(client.stream(requests(), max_in_flight=25))
+    with Client(redis_url, queue_name) as client:
+        results = drawn_while_no_worker_runs(
+            redis_url, client, lambda source: client.stream(({"input": i} for i in source), max_in_flight=25),
+            list(range(200)), 25)
     assert sorted(r.output["echo"] for r in results) == list(range(200))
-    assert max(seen_pending) <= 25
+
+
+def test_map_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        results = drawn_while_no_worker_runs(
+            redis_url, client, lambda source: client.map(source, max_in_flight=30), list(range(120)), 30)
+    assert [r.output["echo"] for r in results] == list(range(120))
 
 
 def test_idempotent_enqueue_returns_the_existing_result(redis_url: str, queue_name: str) -> None:
