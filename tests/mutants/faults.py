@@ -23,7 +23,6 @@ class Fault:
 SCRIPTS = "tests/test_scripts.py::"
 CLIENT = "tests/test_client.py::"
 SHARDING = "tests/test_sharding.py::"
-CHECKS = "tests/test_checks.py::"
 
 FAULTS: tuple[Fault, ...] = (
     # -- named by the issue --------------------------------------------------------------
@@ -87,10 +86,10 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/test_memory.py::test_delivered_results_are_deleted_unless_the_queue_keeps_them",)),
     Fault("streams are not trimmed", "batching/streams.py",
           "pipe.xadd(key, fields, maxlen=MAXLEN, approximate=True)", "pipe.xadd(key, fields)",
-          (CHECKS + "test_a_stream_is_trimmed_and_expires",)),
+          (SCRIPTS + "test_a_stream_is_trimmed_and_expires",)),
     Fault("streams never expire", "batching/streams.py",
           "            if expire:\n                pipe.expire(key, TTL_S)\n", "",
-          (CHECKS + "test_a_stream_is_trimmed_and_expires",)),
+          (SCRIPTS + "test_a_stream_is_trimmed_and_expires",)),
     # -- offline jobs, workers ---------------------------------------------------------------
     Fault("job resume reruns written lines", "producer/jobs/run.py",
           "written=number in written)", "written=False)",
