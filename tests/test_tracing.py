@@ -216,6 +216,60 @@ def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
     assert "OTEL_" in done.stderr and "nosuch" in done.stderr
 
 
+def console_spans(stdout: str) -> list[dict[str, Any]]:
+    """The spans OTEL_TRACES_EXPORTER=console printed (JSON objects, one after another),
+    after the command's own first line."""
+    decoder, spans, at = json.JSONDecoder(), [], stdout.find("{")
+    while at != -1:
+        span, end = decoder.raw_decode(stdout, at)
+        spans.append(span)
+        at = stdout.find("{", end)
+    return spans
+
+
+def test_otel_environment_names_the_service_and_can_disable_it(redis_url: str,
+                                                               queue_name: str) -> None:
+    """A command's spans name their service batchery-COMMAND unless OTEL_SERVICE_NAME says
+    otherwise; OTEL_SDK_DISABLED=true turns tracing off whatever else is set."""
+    argv = ("enqueue", "-q", queue_name, "--text", "x")
+    default = run_cli(*argv, redis_url=redis_url, OTEL_TRACES_EXPORTER="console")
+    named = run_cli(*argv, redis_url=redis_url, OTEL_TRACES_EXPORTER="console",
+                    OTEL_SERVICE_NAME="my-app")
+    off = run_cli(*argv, redis_url=redis_url, OTEL_TRACES_EXPORTER="console",
+                  OTEL_SDK_DISABLED="true")
+    assert default.returncode == named.returncode == off.returncode == 0
+    services = {label: [s["resource"]["attributes"]["service.name"] for s in console_spans(out)]
+                for label, out in (("default", default.stdout), ("named", named.stdout))}
+    assert services == {"default": ["batchery-enqueue"], "named": ["my-app"]}
+    assert console_spans(off.stdout) == [] and len(off.stdout.split()) == 1  # the id alone
+
+
+def test_an_applications_own_tracer_provider_gets_the_spans(redis_url: str,
+                                                            queue_name: str) -> None:
+    """An application that set its own global tracer provider keeps it: the OTEL_*
+    variables do not replace it, and its Client's spans go to it."""
+    code = (
+        "import sys\n"
+        "from opentelemetry import trace\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from opentelemetry.sdk.trace.export import SimpleSpanProcessor\n"
+        "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+        "from batchery import Client, tracing\n"
+        "exporter, provider = InMemorySpanExporter(), TracerProvider()\n"
+        "provider.add_span_processor(SimpleSpanProcessor(exporter))\n"
+        "trace.set_tracer_provider(provider)\n"
+        "assert tracing.configure('batchery-app') is True\n"
+        "assert trace.get_tracer_provider() is provider\n"
+        "with Client(sys.argv[1], sys.argv[2]) as client:\n"
+        "    client.enqueue('x')\n"
+        "print(sorted(s.name for s in exporter.get_finished_spans()))\n")
+    done = subprocess.run([sys.executable, "-c", code, redis_url, queue_name], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env=cli_env(redis_url, OTEL_TRACES_EXPORTER="console"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([f"enqueue {queue_name}"])
+
+
 def test_offline_job_is_one_trace_linked_from_each_line(redis_url: str, queue_name: str,
                                                         receiver: Receiver, tmp_path: Path) -> None:
     source = write_lines(tmp_path / "in.jsonl", requests(3))
@@ -270,21 +324,32 @@ def test_generation_time_to_first_token_and_tokens(redis_url: str, queue_name: s
 
 def test_a_request_its_producer_did_not_sample_costs_the_worker_no_span(
         redis_url: str, queue_name: str, receiver: Receiver) -> None:
+    """Beside it in the same worker run, a sampled request's spans reach the receiver: the
+    worker exports, only not for the unsampled one."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-    tracing.use_tracer_provider(TracerProvider(sampler=ALWAYS_OFF))
-    try:
-        with Client(redis_url, queue_name) as client:
-            handle = client.enqueue("a")
-            stored = client.queue.client.hget(client.queue.keys.requests, handle.id)
-            worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky",
-                                  "--burst", **receiver.env())
-            assert worker.wait(90) == 0
-            assert handle.result(timeout=30).ok
-    finally:
-        tracing.use_tracer_provider(None)
+    with Client(redis_url, queue_name) as client:
+        tracing.use_tracer_provider(TracerProvider(sampler=ALWAYS_OFF))
+        try:
+            unsampled = client.enqueue("a")
+        finally:
+            tracing.use_tracer_provider(None)
+        sampling = TracerProvider()
+        tracing.use_tracer_provider(sampling)
+        try:
+            sampled = client.enqueue("b")
+        finally:
+            tracing.use_tracer_provider(None)
+            sampling.shutdown()
+        stored = client.queue.client.hget(client.queue.keys.requests, unsampled.id)
+        worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky",
+                              "--burst", **receiver.env())
+        assert worker.wait(90) == 0
+        assert unsampled.result(timeout=30).ok and sampled.result(timeout=30).ok
     flags = int(json.loads(stored)["trace"].rsplit("-", 1)[1], 16)
     assert not flags & 1  # the decision travels with it: not sampled
-    assert receiver.spans == []
+    processed = {s.attributes.get("messaging.message.id") for s in receiver.spans
+                 if s.name == f"process {queue_name}"}
+    assert processed == {sampled.id}
 
 
 def test_async_client_enqueues_inside_the_callers_trace(redis_url: str, queue_name: str,
