@@ -223,6 +223,30 @@ def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_nam
     assert queue.result(queued).output is None
 
 
+def test_stop_hands_back_claimed_requests_not_started(redis_url, queue_name, runner,
+                                                      client) -> None:
+    """At SIGTERM (the worker's stop event) a request claimed but not started (no room
+    for it yet) goes back to the queue, unrun and with no attempt spent; the running
+    sequence finishes and commits."""
+    with generate_worker(redis_url, queue_name, runner, max_batch_size=2,
+                         max_batch_tokens=LONG + 50) as w:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+        stream = running.stream(timeout=30)
+        assert next(stream).kind == "text"  # it decodes, holding all but 50 tokens of room
+        waiting = client.enqueue({"prompt": "and on", "max_new_tokens": 100})
+        # claimed (the claim takes the head whatever its size), and waiting for room
+        wait_for(lambda: any(s.key.request.id == waiting.id for s in w.loop.waiting), 30,
+                 0.01, "the second request claimed, waiting for room")
+        assert client.queue.stats()["inflight"] == 2
+    assert running.result(timeout=5).output["tokens"] == LONG
+    assert client.get(waiting.id) is None  # not run
+    stats = client.queue.stats()
+    assert (stats["pending"], stats["inflight"]) == (1, 0)  # back in the queue, unleased
+    with generate_worker(redis_url, queue_name, runner):
+        again = waiting.result(timeout=60)
+    assert again.status == "ok" and again.attempts == 1 and again.output["tokens"] == 100
+
+
 def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:
     long = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
                           priority="batch")

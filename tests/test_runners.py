@@ -133,13 +133,23 @@ def test_classify_gives_labels_and_scores_independent_of_batching(tiny_models) -
         assert b["label"] == max(b["scores"], key=b["scores"].get)
 
 
-def test_generate_honours_max_new_tokens_with_left_padding(tiny_models) -> None:
-    runner = load_runner("generate", str(tiny_models["generate"]), None, "cpu")
+def test_generate_honours_max_new_tokens_with_left_padding(tiny_models, tmp_path: Path) -> None:
+    # the same weights without an EOS token: nothing ends a text early, so each gets
+    # exactly its max_new_tokens (32 by default)
+    no_eos = GPT2LMHeadModel.from_pretrained(tiny_models["generate"])
+    no_eos.config.eos_token_id = no_eos.generation_config.eos_token_id = None
+    no_eos.save_pretrained(tmp_path / "no-eos")
+    AutoTokenizer.from_pretrained(tiny_models["generate"]).save_pretrained(tmp_path / "no-eos")
+    runner = load_runner("generate", str(tmp_path / "no-eos"), None, "cpu")
     inputs = ["Once upon a time", {"prompt": "The standard library", "max_new_tokens": 5},
               {"text": "x", "max_new_tokens": 12}]
     prepared = runner.prepare(inputs)
     outputs = runner.run(prepared.data)
-    assert [o["tokens"] <= n for o, n in zip(outputs, [32, 5, 12])] == [True] * 3
+    assert [o["tokens"] for o in outputs] == [32, 5, 12]
+    # with its EOS the model ends some at once (these random weights): never longer
+    with_eos = load_runner("generate", str(tiny_models["generate"]), None, "cpu")
+    ended = with_eos.run(with_eos.prepare(inputs).data)
+    assert [o["tokens"] <= n for o, n in zip(ended, [32, 5, 12])] == [True] * 3
     assert all(isinstance(o["text"], str) for o in outputs)
     assert runner.run(prepared.data) == outputs  # greedy: deterministic
     assert runner.run(runner.prepare([inputs[1]]).data)[0]["text"] == outputs[1]["text"]

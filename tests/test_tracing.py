@@ -242,6 +242,10 @@ def test_otel_environment_names_the_service_and_can_disable_it(redis_url: str,
                 for label, out in (("default", default.stdout), ("named", named.stdout))}
     assert services == {"default": ["batchery-enqueue"], "named": ["my-app"]}
     assert console_spans(off.stdout) == [] and len(off.stdout.split()) == 1  # the id alone
+    with Client(redis_url, queue_name) as client:  # and its request carries no trace context
+        stored = client.queue.client.hget(client.queue.keys.requests, off.stdout.strip())
+        traced = client.queue.client.hget(client.queue.keys.requests, named.stdout.split()[0])
+    assert "trace" not in json.loads(stored) and "trace" in json.loads(traced)
 
 
 def test_an_applications_own_tracer_provider_gets_the_spans(redis_url: str,
