@@ -143,6 +143,15 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test alone: for a test that counts or watches the commands
+    a server receives, which another test's idle worker on the shared one would add to."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 

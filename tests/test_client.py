@@ -196,11 +196,14 @@ def test_async_client_submit_map_and_cancel(redis_url: str, queue_name: str) -> 
     asyncio.run(scenario())
 
 
-def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_name: str,
-                                                       rconn) -> None:
+def test_async_enqueues_started_together_go_as_one_call(private_redis: RedisServer,
+                                                       queue_name: str) -> None:
     """Concurrent one-request enqueues (a service awaiting submit per caller) share one
     enqueue call; a refused one is sent again caller by caller, so each caller gets its
-    own answer: the others' requests are queued, the refused one says why."""
+    own answer: the others' requests are queued, the refused one says why. (A server of
+    its own: the calls counted are this test's alone.)"""
+    redis_url = private_redis.url
+    rconn = RedisSettings.from_url(redis_url).client()
     def enqueue_calls() -> int:
         return int(rconn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
@@ -225,3 +228,4 @@ def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_na
             assert [type(o).__name__ for o in outcomes] == ["AsyncHandle"] * 2 + ["QueueFull"] * 2
     with Client(redis_url, queue_name) as settings:
         asyncio.run(scenario(settings))
+    rconn.close()

@@ -195,7 +195,10 @@ def test_parallel_batches_share_one_model_and_stop_cleanly(redis_url: str, queue
             gate.touch()
             handles = client.enqueue_many([{"input": f"last {i}"} for i in range(6)])
             wait_for(lambda: len(list(marks.iterdir())) == 2, 30, message="two batches running")
-            assert client.queue.stats()["inflight"] == 6 and len(list(marks.iterdir())) == 2
+            # and the third claimed ahead (the claim follows the runs' start): 6 leases
+            wait_for(lambda: client.queue.stats()["inflight"] == 6, 30,
+                     message="a third batch claimed ahead")
+            assert len(list(marks.iterdir())) == 2  # held at the gate: still two running
             worker.send_signal(signal.SIGTERM)
             wait_for(lambda: "SIGTERM: finishing" in (tmp_path / "worker.log").read_text(), 20)
             gate.unlink()
