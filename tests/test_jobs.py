@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -376,7 +375,10 @@ def test_jobs_worker_waits_for_redis_to_come_up(queue_name: str, tmp_path: Path)
     server.stop()  # nothing listens on its port yet
     jobs_worker = start_jobs_worker(server.url, "batchery", "--burst", log=tmp_path / "jobs.log")
     try:
-        time.sleep(2)
+        # it found no Redis (and said so) and waits for it: twice, so it did not exit after one
+        log = tmp_path / "jobs.log"
+        wait_for(lambda: log.read_text().count("Redis unavailable") >= 2, 60, 0.1,
+                 "the jobs worker to retry twice")
         assert jobs_worker.poll() is None, "the jobs worker must wait, not exit"
         server.start()
         assert jobs_worker.wait(60) == 0  # connected, found no job, and finished its burst
