@@ -342,15 +342,15 @@ def test_idle_worker_wakes_for_any_shard_on_one_redis(redis_url: str, queue_name
     """On a single Redis an idle worker's one BLPOP covers every shard's wake list: a
     request enqueued into any shard ends its wait at once, not at its poll timeout."""
     configure(redis_url, queue_name, "--shards", "3")
-    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    conn = redis.Redis.from_url(redis_url, decode_responses=True, client_name=queue_name)
     queue = open_queue(conn, queue_name)
     for i, request_id in enumerate(ids_on_every_shard("wake", 3, 1)):
         woke: list[float] = []
         waiter = threading.Thread(target=lambda: woke.append(_timed(queue.wait_for_work, 60)))
         waiter.start()
         # blocked in its BLPOP (CLIENT LIST shows the command) before the enqueue
-        wait_for(lambda: any(c.get("cmd") == "blpop" for c in conn.client_list()), 10, 0.01,
-                 "the worker to block")
+        wait_for(lambda: any(c["cmd"] == "blpop" and c["name"] == queue_name
+                             for c in conn.client_list()), 10, 0.01, "the worker to block")
         queue.enqueue([Request(id=request_id, input=i)])
         waiter.join(60)
         assert woke and woke[0] < 30, (request_id, woke)  # far below the 60 s timeout
