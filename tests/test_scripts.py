@@ -324,3 +324,13 @@ def test_a_stream_is_trimmed_and_expires(queue: RequestQueue) -> None:
     assert 0 < queue.client.ttl(key) <= TTL_S
     last = queue.client.xrevrange(key, count=1)[0][1]
     assert last == {"e": "end", "finish_reason": "length"}
+
+
+def test_claim_keeps_padded_tokens_within_the_budget(queue: RequestQueue) -> None:
+    """A batch costs its longest request x its size: with a budget of 250 padded tokens a
+    claim takes two requests of 100 tokens, or the 100 alone beside a 200, never more."""
+    queue.enqueue([Request.validated(id=f"e{i}", input=i, tokens=100) for i in range(4)], "c")
+    assert [r.id for r in queue.claim("w#1", 10, 250, 0, 10).batch] == ["e0", "e1"]
+    queue.enqueue([Request.validated(id="long", input=0, tokens=200)], "c")
+    assert [r.id for r in queue.claim("w#2", 10, 250, 0, 10).batch] == ["e2", "e3"]
+    assert [r.id for r in queue.claim("w#3", 10, 250, 0, 10).batch] == ["long"]
