@@ -12,7 +12,7 @@ from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassificati
 
 from batchery.errors import ConfigError
 from batchery.workers.runners import InputError, load_runner
-from batchery.workers.calibrate import pick_batch_size
+from batchery.workers.calibrate import pick_batch_size, smallest_within_tolerance
 from batchery.workers.runners.hf import CountedTexts, count_texts, resolve_model, tokenize
 from bench.corpus import paragraphs
 
@@ -182,3 +182,14 @@ def test_calibration_keeps_the_smallest_batch_within_five_percent_of_the_best(ti
     assert max(rates) * min(runner.max_input_tokens, 32) <= 8192 or len(rates) == 1
     # a custom runner has no sample input to time: the fixed default
     assert pick_batch_size(load_runner(None, None, "tests.runners:echo"), 8192) == (64, {})
+    # the token budget bounds the sizes timed: 2 of a typical length fit, never 4
+    length = min(64, runner.max_input_tokens)
+    size, rates = pick_batch_size(runner, max_batch_tokens=2 * length)
+    assert list(rates) == [1, 2] and size in rates
+
+
+def test_calibration_chooses_the_smallest_size_within_five_percent() -> None:
+    # past 4 a bigger batch buys under 5%: 4 it is, not the fastest 16
+    assert smallest_within_tolerance({1: 100, 2: 190, 4: 300, 8: 310, 16: 312}) == 4
+    assert smallest_within_tolerance({1: 100, 2: 94.9, 4: 80}) == 1
+    assert smallest_within_tolerance({1: 50, 2: 96, 4: 100}) == 2  # within 5%: not the fastest
