@@ -334,3 +334,25 @@ def test_claim_keeps_padded_tokens_within_the_budget(queue: RequestQueue) -> Non
     queue.enqueue([Request.validated(id="long", input=0, tokens=200)], "c")
     assert [r.id for r in queue.claim("w#2", 10, 250, 0, 10).batch] == ["e2", "e3"]
     assert [r.id for r in queue.claim("w#3", 10, 250, 0, 10).batch] == ["long"]
+
+
+def test_a_partial_batch_waits_for_company_up_to_max_wait(queue: RequestQueue) -> None:
+    """A batch that is not full is held until its head has waited --max-wait-ms; a full
+    one goes at once."""
+    queue.enqueue(requests("a"), "c")
+    held = queue.claim("w#1", 2, 10_000, 60_000, 10)
+    assert held.batch == [] and 50_000 < held.wait_ms <= 60_000
+    queue.enqueue([Request.validated(id="b", input="b")], "c")
+    assert [r.id for r in queue.claim("w#2", 2, 10_000, 60_000, 10).batch] == ["r0", "b"]
+
+
+def test_no_fill_from_slower_leaves_the_room_empty_and_runs_at_once(queue: RequestQueue) -> None:
+    """With --no-fill-from-slower a realtime head takes no batch-class company: it runs
+    alone, at once (the room left empty counts as full); with fill, both go together."""
+    queue.enqueue(requests("rt", priority="realtime") +
+                  [Request.validated(id="slow", input="b", priority="batch")], "c")
+    queue.update_settings(fill_from_slower=False)
+    assert [r.id for r in queue.claim("w#1", 10, 10_000, 60_000, 10).batch] == ["r0"]
+    queue.enqueue([Request.validated(id="rt2", input="c", priority="realtime")], "c")
+    queue.update_settings(fill_from_slower=True)
+    assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["rt2", "slow"]
