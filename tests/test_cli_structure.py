@@ -75,7 +75,7 @@ def test_json_id_and_all_never_come_from_the_environment(redis_url: str, queue_n
             if param.name in never:
                 seen[param.name] += 1
                 assert env_names(param) == [], (" ".join(path), never[param.name])
-    assert seen["as_json"] > 20 and seen["request_id"] >= 1 and seen["everything"] >= 2
+    assert seen["as_json"] >= 10 and seen["request_id"] >= 1 and seen["everything"] >= 2
     # and for real: each variable set, the command does what it does without the flag
     env = {f"{config.ENV_PREFIX}_{name.upper()}": value for name, value in
            (("as_json", "1"), ("request_id", "fixed-id"), ("everything", "1"))}
