@@ -70,7 +70,7 @@ test-embedded: $(STAMP)
 
 # Planted faults (tests/mutants/faults.py, docs/testing.md): each one applied to a fresh
 # copy of the tree, never this one, and the tests named for it run there; prints each fault
-# and the test that caught it, exits 1 if one survived. A long run (about 15 min on 2
+# and the test that caught it, exits 1 if one survived. A long run (6-15 min on 2
 # cores), not part of `make test`. MUTANTS_ARGS="--only reaper" runs some of them.
 mutants: $(STAMP)
 	$(BIN)/python -m tests.mutants.run $(MUTANTS_ARGS)
