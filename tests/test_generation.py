@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -243,6 +244,30 @@ def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_nam
     assert queue.result(queued).output is None
 
 
+def test_stop_hands_back_claimed_requests_not_started(redis_url, queue_name, runner,
+                                                      client) -> None:
+    """At SIGTERM (the worker's stop event) a request claimed but not started (no room
+    for it yet) goes back to the queue, unrun and with no attempt spent; the running
+    sequence finishes and commits."""
+    with generate_worker(redis_url, queue_name, runner, max_batch_size=2,
+                         max_batch_tokens=LONG + 50) as w:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+        stream = running.stream(timeout=30)
+        assert next(stream).kind == "text"  # it decodes, holding all but 50 tokens of room
+        waiting = client.enqueue({"prompt": "and on", "max_new_tokens": 100})
+        # claimed (the claim takes the head whatever its size), and waiting for room
+        wait_for(lambda: any(s.key.request.id == waiting.id for s in w.loop.waiting), 30,
+                 0.01, "the second request claimed, waiting for room")
+        assert client.queue.stats()["inflight"] == 2
+    assert running.result(timeout=5).output["tokens"] == LONG
+    assert client.get(waiting.id) is None  # not run
+    stats = client.queue.stats()
+    assert (stats["pending"], stats["inflight"]) == (1, 0)  # back in the queue, unleased
+    with generate_worker(redis_url, queue_name, runner):
+        again = waiting.result(timeout=60)
+    assert again.status == "ok" and again.attempts == 1 and again.output["tokens"] == 100
+
+
 def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:
     long = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
                           priority="batch")
@@ -258,8 +283,13 @@ def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, clien
 
 
 def test_a_deadline_stops_generation_with_the_text_so_far(worker, client) -> None:
+    # a deadline at half of what the whole generation takes on this machine, now: the
+    # sequence starts well within it (a claim) and cannot finish, however busy the machine
+    started = time.monotonic()
+    assert generate(client, prompt="go on", max_new_tokens=LONG).output["tokens"] == LONG
+    whole_s = time.monotonic() - started
     result = client.enqueue({"prompt": "go on", "max_new_tokens": LONG},
-                            deadline=0.3).result(timeout=30)
+                            deadline=whole_s / 2).result(timeout=30)
     assert result.status == "expired" and result.output["finish_reason"] == "deadline"
     assert 0 < result.output["tokens"] < LONG and result.output["text"]
 
