@@ -31,10 +31,8 @@ FAULTS: tuple[Fault, ...] = (
           "        for q in self.shards[:1]:\n            one = q.reap(limit)",
           ("tests/test_sharding_workers.py::test_the_reaper_takes_back_expired_leases_on_every_shard",)),
     Fault("stream/map ignore max_in_flight", "producer/client.py",
-          "while not exhausted and len(waiting) < max_in_flight:\n"
-          "                    room = min(ENQUEUE_CHUNK, max_in_flight - len(waiting))",
-          "while not exhausted and len(waiting) < MAX_IN_FLIGHT:\n"
-          "                    room = ENQUEUE_CHUNK",
+          "while not exhausted and (room := refill(len(waiting), max_in_flight)):",
+          "while not exhausted and (room := refill(len(waiting), MAX_IN_FLIGHT)):",
           (CLIENT + "test_stream_keeps_a_bounded_number_in_flight",
            CLIENT + "test_map_keeps_a_bounded_number_in_flight")),
     # -- scheduling ----------------------------------------------------------------------
@@ -179,4 +177,30 @@ FAULTS: tuple[Fault, ...] = (
           '@click.option("--id", "request_id", allow_from_autoenv=False,',
           '@click.option("--id", "request_id",',
           ("tests/test_cli_structure.py::test_json_id_and_all_never_come_from_the_environment",)),
+    # -- isolation: one request's fault stays its own ---------------------------------------
+    Fault("one unreadable stored request fails its claim", "batching/messages.py",
+          "        except Exception as exc:  # the boundary: anything one request holds fails it alone",
+          "        except ZeroDivisionError as exc:",
+          ("tests/test_isolation.py::test_a_damaged_attempt_count_fails_its_request_alone",
+           "tests/test_isolation.py::test_a_stored_request_nested_too_deep_fails_alone_and_its_batch_runs")),
+    Fault("a failed batch runs each request alone (no bisection)", "workers/execution.py",
+          "        half = len(requests) // 2\n        return self._attempt(requests[:half], executed)"
+          " + self._attempt(requests[half:], executed)",
+          "        return [o for r in requests for o in self._attempt([r], executed)]",
+          ("tests/test_isolation.py::test_bisection_finds_one_bad_request_in_64_in_a_few_runs",)),
+    Fault("lone surrogates pass the name rule", "batching/messages.py",
+          '        text.encode("utf-8")\n', '        text.encode("utf-8", "surrogatepass")\n',
+          ("tests/test_isolation.py::test_the_name_rule_accepts_only_utf8_text_without_control_characters",
+           "tests/test_isolation.py::test_ids_never_merge_nor_get_anothers_result")),
+    Fault("priority 0 read as absent", "producer/client.py",
+          'priority=_given(fields, "priority", "normal")',
+          'priority=fields.get("priority") or "normal"',
+          ("tests/test_isolation.py::test_priority_zero_is_the_most_urgent_delay_not_normal",)),
+    Fault("a claim whose reply was lost is not sent again under its token", "workers/claiming.py",
+          "        token = self._unanswered\n", "        token = None\n",
+          ("tests/test_lost_replies.py::test_a_reply_lost_past_the_retries_costs_seconds_not_a_lease[claim-tests.runners:echo]",)),
+    Fault("an unreadable reply-list entry kills the reply listener", "batching/messages.py",
+          "        except ValueError:\n            decoded = [_loads_or_none(r) for r in raws]",
+          "        except ZeroDivisionError:\n            decoded = []",
+          ("tests/test_isolation.py::test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter",)),
 )
