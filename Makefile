@@ -13,7 +13,7 @@ TORCH_INDEX ?= $(shell if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-embedded fuzz bench docs install clean browser kubectl
+.PHONY: demo test test-embedded fuzz bench soak docs install clean browser kubectl mutants
 
 install: $(STAMP)
 
@@ -68,6 +68,13 @@ test-embedded: $(STAMP)
 	is not installed (no wheel for this Python or machine): nothing to fall back to"; exit 2; }
 	.ci/without_redis_server $(BIN)/python -m pytest -p no:cacheprovider -rs
 
+# Planted faults (tests/mutants/faults.py, docs/testing.md): each one applied to a fresh
+# copy of the tree, never this one, and the tests named for it run there; prints each fault
+# and the test that caught it, exits 1 if one survived. A long run (6-15 min on 2
+# cores), not part of `make test`. MUTANTS_ARGS="--only reaper" runs some of them.
+mutants: $(STAMP)
+	$(BIN)/python -m tests.mutants.run $(MUTANTS_ARGS)
+
 # The bench extra (matplotlib, for the plots) only here: `make test` and `make demo` skip it.
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
@@ -75,6 +82,12 @@ $(VENV)/.bench-installed: $(STAMP)
 
 bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
+
+# A million requests through a queue over 3 shards on a local 3-master Cluster, workers
+# SIGKILLed every 30 s: nothing lost or doubled, memory flat (bench/soak.py). Not in CI:
+# about 2 minutes on 2 cores. Longer: make soak SOAK_ARGS="--requests 5000000".
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a
 # missing page or an unknown anchor fails it. tests/test_docs.py builds it the same way,

@@ -3,8 +3,8 @@ every other command plugs in.
 
 Commands live with what they drive: queues (batchery/queue_cli.py), requests and
 enqueue (producer/cli.py), offline jobs (producer/jobs/cli.py), the worker
-(workers/cli.py), the dashboard (dashboard/cli.py). What they share is in
-batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
+(workers/cli.py), the dashboard (dashboard/cli.py), the OpenAI gateway (gateway/cli.py).
+What they share is in batchery/cli_shared.py, which imports none of them. Errors a user can act on print one
 line on stderr and exit with their code (the table is in batchery/errors.py and the
 docs/reference/errors.md); never a traceback.
 """
@@ -20,6 +20,7 @@ from batchery import embedded, tracing
 from batchery.cli_shared import LOG_LEVELS, BatcheryGroup, finish_tree, json_option, print_json
 from batchery.config import ENV_LOG_LEVEL
 from batchery.dashboard.cli import dashboard
+from batchery.gateway.cli import serve
 from batchery.producer.cli import enqueue, request_group
 from batchery.producer.jobs.cli import job_group
 from batchery.queue_cli import queue_group
@@ -70,7 +71,7 @@ def redis_stop(as_json: bool) -> None:
         click.echo("stopped" if stopped else "not running")
 
 
-for command in (queue_group, request_group, job_group, enqueue, worker, dashboard):
+for command in (queue_group, request_group, job_group, enqueue, worker, dashboard, serve):
     cli.add_command(command)
 # The short form of `batchery job submit`, shown in the docs. (The first wave's other
 # top-level names, stats, dead, status, results, cancel and jobs-worker, were dropped

@@ -25,6 +25,7 @@ ENV_TORCH_THREADS = "BATCHERY_TORCH_THREADS"  # worker --threads
 ENV_DASHBOARD_HOST = "BATCHERY_DASHBOARD_HOST"  # dashboard --host, --port, --token
 ENV_DASHBOARD_PORT = "BATCHERY_DASHBOARD_PORT"
 ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
+ENV_API_KEYS = "BATCHERY_API_KEYS"  # serve: the gateway's keys, read here (never on a command line)
 
 DEFAULT_QUEUE = "default"
 EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"

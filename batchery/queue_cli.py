@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import click
 
+from batchery import keda
+from batchery.batching.keys import check_queue_name
 from batchery.batching.settings import MAX_SHARDS
 from batchery.batching.sharded import ShardedQueue, open_queue
-from batchery.cli_shared import (FINITE, connect, json_option, print_json, queue_option,
-                                 redis_options)
+from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
+                                 queue_option, redis_options)
 from batchery.errors import ConfigError
 
 
@@ -116,6 +119,41 @@ def queue_pause(queue: str, as_json: bool, redis_url: str | None, cluster: bool)
 def queue_resume(queue: str, as_json: bool, redis_url: str | None, cluster: bool) -> None:
     """Workers claim from QUEUE again."""
     _set_paused(queue, False, as_json, redis_url, cluster)
+
+
+def _deploy(*decls: str, **kwargs: Any) -> Any:
+    """An option of the printed manifest, default from keda.Autoscale; never from the
+    environment (a BATCHERY_THRESHOLD would mean nothing elsewhere)."""
+    name = decls[0].split("/")[0].lstrip("-").replace("-", "_")
+    return click.option(*decls, default=default_of(keda.Autoscale, name), show_default=True,
+                        allow_from_autoenv=False, **kwargs)
+
+
+@queue_group.command("keda")
+@click.argument("queue")
+@click.option("--shards", type=click.IntRange(1, MAX_SHARDS), allow_from_autoenv=False,
+              help="Render for this many shards without asking Redis (default: the queue's "
+              "own setting, read from Redis).")
+@_deploy("--threshold", type=click.IntRange(1), help="Queued requests per worker.")
+@_deploy("--deployment", help="The worker Deployment KEDA scales.")
+@_deploy("--namespace", help="Its namespace.")
+@_deploy("--min-replicas", type=click.IntRange(0), help="0: scale to zero.")
+@_deploy("--max-replicas", type=click.IntRange(1))
+@_deploy("--tls/--no-tls", help="The Redis speaks TLS (rediss://).")
+@json_option
+@redis_options
+def queue_keda(queue: str, shards: int | None, as_json: bool, redis_url: str | None,
+               cluster: bool, **options: Any) -> None:
+    """Print KEDA objects that scale the workers on QUEUE's queued requests, every shard
+    counted (`kubectl apply -f -` takes them). With --cluster: the redis-cluster trigger.
+    A YAML stream; --json: one Kubernetes List."""
+    if shards is None:
+        shards = open_queue(connect(redis_url, cluster), queue).settings().shards
+    spec = keda.Autoscale(check_queue_name(queue), shards=shards, cluster=cluster, **options)
+    if as_json:
+        print_json({"apiVersion": "v1", "kind": "List", "items": keda.objects(spec)})
+    else:  # JSON is YAML: each object a document
+        click.echo("\n---\n".join(json.dumps(o, indent=2) for o in keda.objects(spec)))
 
 
 # -- stats --------------------------------------------------------------------------------

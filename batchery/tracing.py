@@ -126,6 +126,22 @@ def parent_context(traceparent: Any) -> Any:
         int(found[1], 16), int(found[2], 16), is_remote=True, trace_flags=flags)))
 
 
+@contextlib.contextmanager
+def caller(traceparent: str | None) -> Iterator[None]:
+    """Within it, the spans started here join the trace of an incoming W3C traceparent
+    (the header of an HTTP request to ``batchery serve``); without one, nothing changes."""
+    parent = parent_context(traceparent) if trace is not None and traceparent else None
+    if not parent:
+        yield
+        return
+    from opentelemetry import context as otel_context
+    token = otel_context.attach(parent)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def mark_error(span: Any, message: str) -> None:
     span.set_status(StatusCode.ERROR, message)
 

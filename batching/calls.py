@@ -34,6 +34,9 @@ class ClaimReply:
     batch: list[Claimed] = field(default_factory=list)
     # candidates priced by estimate, (id, input): count them, claim again with the counts
     to_price: list[tuple[str, Any]] = field(default_factory=list)
+    # with a batch: the estimated requests next in line, (id, input), for a counting
+    # worker to count now and send with its next claim (which then needs no pricing round)
+    price_ahead: list[tuple[str, Any]] = field(default_factory=list)
 
 
 
@@ -135,8 +138,13 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
         n = (len(reply) - 3) // 2
         return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
                                                for i, p in zip(reply[3:3 + n], reply[3 + n:])])
-    n = (len(reply) - 3) // 4
+    if len(reply) == 3:  # nothing leased
+        return ClaimReply(now_ms, wait_ms)
+    m = int(reply[-1])  # the requests priced ahead, last: their ids, then their payloads
+    n = (len(reply) - 4 - 2 * m) // 4
     ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]
     scheds, failures = reply[3 + 2 * n:3 + 3 * n], reply[3 + 3 * n:3 + 4 * n]
     claimed = [Claimed.decode(i, p, s, f, token) for i, p, s, f in zip(ids, payloads, scheds, failures)]
-    return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:])
+    ahead = reply[3 + 4 * n:-1]
+    return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
+                      price_ahead=[(i, stored_input(p)) for i, p in zip(ahead[:m], ahead[m:])])

@@ -69,6 +69,13 @@ def shard_of(request_id: str, shards: int) -> int:
     return zlib.crc32(request_id.encode()) % shards if shards > 1 else 0
 
 
+def queued_keys(queue: str, shards: int) -> list[str]:
+    """Every sorted set holding a queue's queued requests: pending and delayed of each shard,
+    shard 0 first. Their ZCARDs add up to the queue's queued requests (what
+    ``batchery queue stats`` calls pending): what autoscaling reads (batchery/keda.py)."""
+    return [key for tag in shard_tags(queue, shards) for key in (Keys(tag).pending, Keys(tag).delayed)]
+
+
 @dataclass(frozen=True)
 class Keys:
     tag: str  # the hash tag of one queue shard: the queue name for shard 0

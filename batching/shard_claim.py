@@ -67,9 +67,12 @@ class ShardClaims:
 
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
               lookahead: int, price_estimates: bool = False,
-              counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None) -> ClaimReply:
+              counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None,
+              ahead: Sequence[tuple[str, int]] = ()) -> ClaimReply:
         """RequestQueue.claim on the shard with the most urgent head, under the ceiling
-        the other heads set. ``counts`` (a pricing round) go back to their ids' shard."""
+        the other heads set. ``counts`` (a pricing round) go back to their ids' shard;
+        ``ahead`` (counts of what an earlier claim priced ahead, ``price_ahead``) go
+        with the claim to the shard it picks, those of its ids."""
         shards = self.shards
         if len(shards) == 1:  # one shard: its claim alone, and now and then a look at the count
             if time.monotonic() >= self._layout_checked + LAYOUT_CHECK_S:
@@ -77,7 +80,7 @@ class ShardClaims:
                 self.settings()
             if len(self.shards) == 1:
                 return self.first.claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
-                                        lookahead, price_estimates, counts, ceiling)
+                                        lookahead, price_estimates, [*counts, *ahead], ceiling)
             shards = self.shards
         heads, stored = self._heads(shards)
         if stored != len(shards):  # the shard count changed (on an empty queue)
@@ -100,6 +103,7 @@ class ShardClaims:
         others = [rank for rank, i in ranked if i != target]
         if ceiling is None and others:
             ceiling = others[0] + SHARD_SLACK_MS
+        counts = [*counts, *(c for c in ahead if shard_of(c[0], len(shards)) == target)]
         return shards[target].claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
                                     lookahead, price_estimates, counts, ceiling)
 

@@ -1,7 +1,8 @@
-"""Cluster scale: one logical queue over 1, 3 and 6 shards on a local Redis Cluster.
+"""Cluster scale: one logical queue over local Redis Clusters of 1, 2 and 3 masters.
 
-A local cluster of three masters (no replicas, no persistence); for each shard count a
-fresh queue set up with the real CLI (``batchery queue config Q --shards N``), real
+For each master count a local cluster (no replicas, no persistence) and, for each shard
+count (default: one per master), a fresh queue set up with the real CLI
+(``batchery queue config Q --shards N``), real
 ``batchery worker --runner bench.runners:noop --cluster`` processes (no other flag unless
 --max-batch-size) and a producer in a child process that cannot import transformers (as
 on the base install: requests priced by estimate), in both start orders:
@@ -16,10 +17,12 @@ It prints aggregate requests/s, the CPU each redis-server node spent per request
 the producer's first enqueue), the producer's CPU per request (its own reading, enqueue
 and collection) and the workers' (from each one's registration: start-up left out), and
 the projected ceiling per node and for 10 and 100 nodes from the measured Redis CPU per
-request of the costlier start order.
+request of the costlier start order. The check: Redis CPU per request over all nodes
+flat (within 10%) from 1 master to the most, so that N nodes carry N times one node's
+load, and the busiest node within 10% of the quietest.
 
-``python -m bench.cluster_scale [--quick] [-n N] [--shards 1,3,6] [--workers W]
-[--max-batch-size B]``
+``python -m bench.cluster_scale [--quick] [-n N] [--masters 1,2,3] [--shards N,...]
+[--workers W] [--max-batch-size B]``
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import redis
@@ -41,10 +43,10 @@ from batchery.embedded import find_redis_server
 from bench import common
 from bench.queue_cost import IN_FLIGHT
 
-MASTERS = 3
+MASTERS = 3  # private_cluster's default size
 ORDERS = ("workers first", "producer first")
 CHUNK = 500  # requests per enqueue_many in (b): as many as Client.map sends per call
-COLUMNS = [("shards", "shards", "d"), ("order", "start order", ""), ("requests", "requests", ",d"),
+COLUMNS = [("masters", "masters", "d"), ("shards", "shards", "d"), ("order", "start order", ""), ("requests", "requests", ",d"),
            ("seconds", "s", ".1f"), ("startup", "workers' start-up s", ".1f"), ("rps", "requests/s", ",.0f"),
            ("batch", "mean batch", ".0f"),
            ("us_redis", "Redis us/req (all nodes)", ".1f"), ("per_node", "per node us/req", ""),
@@ -68,18 +70,31 @@ def private_cluster(masters: int = MASTERS) -> Iterator[list[int]]:
         for port in ports:
             with redis.Redis(port=port) as node:
                 common.wait_until(lambda: common.pings(node), 15, "redis-server")
-        cli = str(Path(binary).with_name("redis-cli"))
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        probe = redis.Redis(port=ports[0], decode_responses=True)
-        common.wait_until(lambda: probe.cluster("info")["cluster_state"] == "ok", 30, "the cluster")
-        probe.close()
+        form_cluster(ports)
         yield ports
     finally:
         for proc in procs:
             proc.kill()
             proc.wait(10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def form_cluster(ports: list[int]) -> None:
+    """Masters on ``ports`` owning equal contiguous slot ranges from slot 0 (the layout of
+    `redis-cli --cluster create`, which refuses fewer than 3 masters), met and agreed."""
+    nodes = [redis.Redis(port=port, decode_responses=True) for port in ports]
+    try:
+        for i, node in enumerate(nodes):
+            first, last = i * 16384 // len(nodes), (i + 1) * 16384 // len(nodes) - 1
+            node.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for port in ports[1:]:
+            nodes[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        common.wait_until(lambda: all(n.cluster("info")["cluster_state"] == "ok"
+                                      and int(n.cluster("info")["cluster_known_nodes"]) == len(ports)
+                                      for n in nodes), 30, "the cluster")
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def configure(url: str, queue: str, shards: int) -> None:
@@ -169,7 +184,7 @@ def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int
         child.kill()
         child.wait(10)
     assert report["ok"] == n, f"{report['ok']} of {n} ok"
-    return {"shards": shards, "order": order, "requests": n, "seconds": seconds,
+    return {"masters": len(ports), "shards": shards, "order": order, "requests": n, "seconds": seconds,
             "startup": first - launched, "rps": n / seconds,
             "batch": totals.get("ok", n) / max(1, totals.get("batches", 1)),
             "us_redis": sum(redis_us), "per_node": " / ".join(f"{u:.1f}" for u in redis_us),
@@ -194,29 +209,50 @@ def projection(rows: list[dict[str, Any]]) -> str:
         f"ceiling {10 * per_node * python / 1e6:,.0f} cores of producers and workers"])
 
 
+def flatness(rows: list[dict[str, Any]]) -> list[str]:
+    """The checks: Redis CPU per request over all nodes against one master's (the costlier
+    start order of each master count), and each run's busiest node against its quietest."""
+    costlier: dict[int, float] = {}
+    for r in rows:
+        if r["shards"] == r["masters"]:
+            costlier[r["masters"]] = max(costlier.get(r["masters"], 0.0), r["us_redis"])
+    lines = []
+    if 1 in costlier:
+        for masters, us in sorted(costlier.items()):
+            ratio = us / costlier[1]
+            lines.append(f"{masters} master(s), one shard each: Redis {us:.1f} us/request over "
+                         f"all nodes, {ratio:.2f} x one master's "
+                         f"({'flat' if abs(ratio - 1) <= 0.10 else 'NOT flat'}: target within 10%)")
+    lines += [f"{r['masters']} masters, {r['shards']} shards, {r['order']}: busiest node / "
+              f"quietest {max(r['nodes']) / min(r['nodes']):.2f} (an even spread: 1.0)"
+              for r in rows if r["masters"] > 1 and r["shards"] >= r["masters"]]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("-n", type=int, help="requests per shard count (default 100,000)")
-    p.add_argument("--shards", default="1,3,6", help="shard counts to run (comma-separated)")
+    p.add_argument("-n", type=int, help="requests per run (default 100,000)")
+    p.add_argument("--masters", default="1,2,3", help="cluster sizes to run (comma-separated)")
+    p.add_argument("--shards", help="shard counts to run on each (default: one per master)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-batch-size", type=int, default=0,
                    help="worker flag (with --max-wait-ms 0); default: the worker's own defaults")
     args = p.parse_args(argv)
     n = args.n or (20_000 if args.quick else 100_000)
-    counts = [int(s) for s in args.shards.split(",")]
     rows: list[dict[str, Any]] = []
-    with private_cluster() as ports:
-        for _ in range(args.repeat):
-            for shards in counts:
-                for order in ORDERS:
-                    common.log(f"cluster scale: {shards} shard(s), {order}, {n:,} no-op requests ...")
-                    rows.append(run(ports, shards, n, args.workers, args.max_batch_size, order))
+    for masters in (int(m) for m in args.masters.split(",")):
+        counts = [int(s) for s in args.shards.split(",")] if args.shards else [masters]
+        with private_cluster(masters) as ports:
+            for _ in range(args.repeat):
+                for shards in counts:
+                    for order in ORDERS:
+                        common.log(f"cluster scale: {masters} master(s), {shards} shard(s), "
+                                   f"{order}, {n:,} no-op requests ...")
+                        rows.append(run(ports, shards, n, args.workers, args.max_batch_size, order))
     text = common.table(rows, COLUMNS) + "\n\n" + projection(rows)
-    targets = [f"{r['shards']} shards, {r['order']}: busiest node / quietest "
-               f"{max(r['nodes']) / min(r['nodes']):.2f} (an even spread: 1.0)"
-               for r in rows if r["shards"] >= MASTERS]
-    print(f"\n## Cluster scale: no-op runner, {MASTERS} masters, {args.workers} workers, "
-          f"a producer without transformers (requests priced by estimate) ({common.machine()})"
+    targets = flatness(rows)
+    print(f"\n## Cluster scale: no-op runner, {args.workers} workers, a producer without "
+          f"transformers (requests priced by estimate) ({common.machine()})"
           f"\n\n{text}\n\n" + "\n".join(targets) + "\n")
     common.save("cluster_scale", {"machine": common.machine(), "rows": rows, "targets": targets})
     return {"rows": rows, "table": text, "targets": targets}

@@ -13,7 +13,16 @@ any time the server was not scheduled (2 cores, shared with the client and worke
 each part's share of the command time is what is measured, and its CPU is that share of
 redis-server's CPU time.
 
-``python -m bench.redis_time [-n N] [--repeat R]`` measures the parts one at a time
+``python -m bench.redis_time [-n N] [--repeat R]``: N requests (default 40,000) end to
+end with defaults: one ``batchery worker --runner bench.runners:noop`` (no other flag) and
+``Client.map`` (no argument but the inputs). redis-server's CPU per request read from
+/proc in runs without the slow log (the best of 3, or of R), split by script (enqueue,
+claim, renew, commit, result delivery, reap, the rest) in one run with it, each part also
+in pipelined-ZADD equivalents: the CPU of one ``ZADD key score member`` sent 1,000 to a
+pipeline on the same server, the unit of the issue's floor (one hash write, one sorted-set
+add, one claim, one result write, one delivery: a few ZADDs).
+
+``python -m bench.redis_time --phases [-n N] [--repeat R]`` measures the parts one at a time
 instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
 1024, lookahead 4096, as a worker that counts tokens: the estimated candidates handed to
 it first), completed and delivered, redis-server's CPU read around each
@@ -27,6 +36,7 @@ from typing import Any
 
 import redis
 
+from batchery import Client
 from batchery.batching import scripts
 from batchery.batching.keys import Keys
 from batchery.batching.messages import Request, Result
@@ -36,14 +46,14 @@ from bench import common
 # entries kept: a 100,000-request run logs about 800,000 (its ~1,500 top-level calls and
 # every command the scripts call), some 200 MB of redis-server memory until read
 SLOWLOG_MAX = 2_000_000
-PARTS = ("enqueue", "claim", "complete", "result delivery", "other commands")
+PARTS = ("enqueue", "claim", "renew", "commit", "result delivery", "reap", "other commands")
 COLUMNS = [("part", "part", ""), ("calls", "calls", ",d"), ("share", "share of command time", ".0%"),
            ("us", "redis-server CPU, us per request", ".2f")]
 TOP_COLUMNS = [("command", "command (INFO commandstats)", ""), ("calls", "calls", ",d"),
                ("us", "command time, us per request", ".2f")]
 SCRIPT_CLIENT = b"?:0"  # the slow log's client address for commands a script calls
-SCRIPT_PARTS = {"enqueue": "enqueue", "claim": "claim",
-                "complete": "complete"}
+SCRIPT_PARTS = {"enqueue": "enqueue", "claim": "claim", "renew": "renew",
+                "complete": "commit", "reap": "reap"}
 
 
 class RedisTime:
@@ -171,17 +181,89 @@ def phases(url: str, n: int) -> dict[str, float]:
     return used
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+ZADD_PIPELINE = 1000  # commands per pipeline: a client that batches its writes
+E2E_QUEUE = "redis-time"
+E2E_COLUMNS = [("part", "part", ""), ("share", "share", ".0%"), ("us", "us per request", ".2f"),
+               ("zadds", "pipelined ZADDs per request", ".1f")]
+
+
+def zadd_us(url: str, n: int = 200_000) -> float:
+    """redis-server CPU us of one ZADD (a new member each) sent ZADD_PIPELINE to a pipeline."""
+    conn = redis.Redis.from_url(url)
+    pid, key = common.redis_pid(url), "bench:zadd-unit"
+    conn.delete(key)
+    before = common.cpu_seconds(pid)
+    for lo in range(0, n, ZADD_PIPELINE):
+        pipe = conn.pipeline(transaction=False)
+        for i in range(lo, lo + ZADD_PIPELINE):
+            pipe.zadd(key, {f"m{i}": i})
+        pipe.execute()
+    used = 1e6 * (common.cpu_seconds(pid) - before) / n
+    conn.delete(key)
+    conn.close()
+    return used
+
+
+def end_to_end(url: str, client: Client, n: int, split: bool) -> dict[str, Any]:
+    """One ``Client.map`` of n no-op requests through the worker: redis-server CPU us per
+    request (/proc), and with ``split`` the slow log's split by part."""
+    pid = common.redis_pid(url)
+    before = common.cpu_seconds(pid)
+    with RedisTime(url, E2E_QUEUE, enabled=split) as timing:
+        results = client.map(range(n))
+    used = 1e6 * (common.cpu_seconds(pid) - before) / n
+    assert all(r.ok for r in results), "a no-op request failed"
+    return {"us": used, "split": timing.report(n) if split else None}
+
+
+def defaults_run(n: int, repeat: int) -> dict[str, Any]:
+    """The per-script table, with defaults (see the module's docstring)."""
+    with common.private_redis() as url:
+        unit = min(zadd_us(url) for _ in range(3))
+        worker = common.batchery_worker(url, E2E_QUEUE, "--runner", "bench.runners:noop")
+        try:
+            with Client(url, E2E_QUEUE) as client:
+                common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
+                client.map(range(1000))  # warm: scripts loaded, listener up
+                totals = [end_to_end(url, client, n, split=False)["us"] for _ in range(repeat)]
+                split = end_to_end(url, client, n, split=True)["split"]
+        finally:
+            common.stop([worker])
+    best = min(totals)
+    rows = [{"part": r["part"], "share": r["share"], "us": best * r["share"],
+             "zadds": best * r["share"] / unit} for r in split["rows"] if r["part"] in PARTS]
+    rows.append({"part": "all (/proc, no slow log)", "share": 1.0, "us": best, "zadds": best / unit})
+    return {"zadd_us": unit, "runs_us": totals, "rows": rows, "commandstats": split["commandstats"]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("-n", type=int, default=50_000, help="requests (default 50,000)")
+    p.add_argument("-n", type=int, help="requests (default 40,000 end to end, 50,000 --phases)")
+    p.add_argument("--phases", action="store_true", help="the parts one at a time (batches "
+                   "of 1024), as before: no worker")
     args = p.parse_args(argv)
+    repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
+    if args.phases:
+        return phases_main(args.n or 50_000, repeat)
+    n = args.n or (10_000 if args.quick else 40_000)
+    out = defaults_run(n, repeat)
+    text = common.table(out["rows"], E2E_COLUMNS)
+    print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; one "
+          f"pipelined ZADD = {out['zadd_us']:.2f} us; runs: "
+          f"{', '.join(f'{u:.1f}' for u in out['runs_us'])} us; {common.machine()}):\n\n{text}\n\n"
+          + common.table(out["commandstats"], TOP_COLUMNS) + "\n")
+    common.save("redis_time", {"machine": common.machine(), "requests": n, **out})
+    return out
+
+
+def phases_main(n: int, repeat: int) -> dict[str, Any]:
     best: dict[str, float] = {}
     with common.private_redis() as url:
-        for _ in range(args.repeat if args.repeat > 1 else 3):  # --repeat defaults to 1
-            for part, us in phases(url, args.n).items():
+        for _ in range(repeat):
+            for part, us in phases(url, n).items():
                 best[part] = min(best.get(part, float("inf")), us)
     best["all"] = sum(best.values())
-    print(f"\nredis-server CPU, us per request, one part at a time ({args.n:,} requests, "
+    print(f"\nredis-server CPU, us per request, one part at a time ({n:,} requests, "
           f"best run; {common.machine()}):\n")
     print(common.table([{"part": k, "us": v} for k, v in best.items()],
                        [("part", "part", ""), ("us", "us per request", ".1f")]))

@@ -18,15 +18,17 @@ from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
 from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
                                       check_timeout, is_cancelled, lost, make_request,
-                                      map_requests)
+                                      map_requests, refill)
 from batchery.producer.coalesce import EnqueueCoalescer
 from batchery.producer.replies import AsyncReplyListener
 from batchery.producer.tokens import TokenCounter
 
 
 class AsyncHandle:
-    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future) -> None:
+    def __init__(self, client: "AsyncClient", request_id: str, future: asyncio.Future,
+                 tokens: int | None = None) -> None:
         self.id = request_id
+        self.tokens = tokens  # the request's cost as priced at enqueue (None: estimated later)
         self._client = client
         self._future = future
 
@@ -150,7 +152,7 @@ class AsyncClient:
             return []
         futures = [self.replies.watch(r.id) for r in batch]
         await self._enqueue(batch)
-        return [AsyncHandle(self, r.id, f) for r, f in zip(batch, futures)]
+        return [AsyncHandle(self, r.id, f, r.tokens) for r, f in zip(batch, futures)]
 
     async def _enqueue(self, batch: list[Request]) -> None:
         with tracing.enqueue(self.queue.name, batch) as batch:
@@ -187,10 +189,9 @@ class AsyncClient:
         sent, progress = 0, time.monotonic()
         try:
             while sent < len(values) or place:
-                while sent < len(values) and len(place) < max_in_flight:
+                while sent < len(values) and (room := refill(len(place), max_in_flight)):
                     await self._refresh_settings()
-                    batch = list(itertools.islice(
-                        source, min(ENQUEUE_CHUNK, max_in_flight - len(place))))
+                    batch = list(itertools.islice(source, room))
                     ids = [r.id for r in batch]
                     self.replies.collect(ids, sink)
                     place.update(zip(ids, range(sent, sent + len(batch))))

@@ -19,6 +19,7 @@ from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError, InvalidRequest, RequestLost, ResultTimeout
+from batchery.producer.coalesce import ThreadEnqueueCoalescer
 from batchery.producer.replies import ReplyListener
 from batchery.producer.tokens import QueueCounter
 
@@ -77,6 +78,16 @@ def map_requests(values: Iterable[Any], priority: str | int, deadline: float | N
                                          new_id, count))
         else:
             yield first.alike(new_id(), value, count(value))
+
+
+def refill(in_flight: int, max_in_flight: int) -> int:
+    """How many requests map and stream send now: none until a call's worth of room is
+    free (ENQUEUE_CHUNK, or a quarter of max_in_flight where that is less), then up to a
+    call's worth. Topping up each slot as its result came made calls of a few requests (on
+    a 3-shard queue 40 a call, split again per shard, against 333 on one: 2.3x the
+    enqueue's Redis time per request)."""
+    room = max_in_flight - in_flight
+    return min(ENQUEUE_CHUNK, room) if room >= min(ENQUEUE_CHUNK, max(1, max_in_flight // 4)) else 0
 
 
 def lost(request_id: str) -> RequestLost:
@@ -192,6 +203,7 @@ class Client:
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)
         self._registered = False
+        self._coalescer = ThreadEnqueueCoalescer(self._send, ENQUEUE_CHUNK)
 
     def __enter__(self) -> "Client":
         return self
@@ -222,13 +234,21 @@ class Client:
         return [Handle(self, r.id, f) for r, f in zip(batch, futures)]
 
     def _enqueue(self, batch: list[Request], reply: bool) -> None:
+        """Enqueues from many threads at once go as one call (producer/coalesce.py);
+        ``reply=False`` ones (no reply list named) go alone."""
         if not batch:
             return
         if not self._registered:
             self.queue.register()
             self._registered = True
         with tracing.enqueue(self.queue.name, batch) as batch:
-            self.queue.enqueue(batch, self.client_id if reply else "")
+            if reply:
+                self._coalescer.enqueue(batch)
+            else:
+                self.queue.enqueue(batch, "")
+
+    def _send(self, batch: list[Request]) -> None:
+        self.queue.enqueue(batch, self.client_id)
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""
@@ -270,8 +290,7 @@ class Client:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(waiting) < max_in_flight:
-                    room = min(ENQUEUE_CHUNK, max_in_flight - len(waiting))
+                while not exhausted and (room := refill(len(waiting), max_in_flight)):
                     chunk = list(itertools.islice(source, room))
                     exhausted = not chunk
                     if chunk:

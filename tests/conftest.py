@@ -26,6 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Hypothesis' 200 ms deadline per example measures the machine's load, not the code: off.
 settings.register_profile("batchery", deadline=None)
 settings.load_profile("batchery")
+# A shell starts a background job (`make test &`, nohup, a CI step run in the background)
+# with SIGINT ignored, and an ignored signal stays ignored across fork and exec: every
+# command a test starts would then shrug off the Ctrl-C (SIGINT) it sends to stop it
+# (`queue stats --watch`, honcho), and its test time out. A handler of this process is
+# reset to the default in each child, so one here gives the children back Ctrl-C.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # `make fuzz` runs the property tests with this many times their examples (a long run;
 # `make test` runs a few hundred in all)
 FUZZ_SCALE = max(1, int(os.environ.get("BATCHERY_FUZZ_SCALE", "1") or 1))
@@ -129,6 +137,15 @@ def pings(client: redis.Redis) -> bool:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test alone: for a test that counts or watches the commands
+    a server receives, which another test's idle worker on the shared one would add to."""
     server = RedisServer()
     yield server
     server.close()

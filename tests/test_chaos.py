@@ -21,6 +21,7 @@ from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from tests.conftest import RedisServer, start_worker, stop_process, wait_for
 from tests.proxy import FaultyProxy
+from tests.test_reliability import freeze_holding
 
 pytestmark = pytest.mark.slow
 N = 5000
@@ -52,6 +53,7 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
     referee = RequestQueue(raw, queue_name)
     ids = [f"c{i}" for i in range(N)]
     enqueue_retries, events = 0, []
+    held_at_kill: list[str] = []
     started = time.monotonic()
     try:
         def produce() -> None:
@@ -85,10 +87,13 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
         def done() -> int:
             return sum(r is not None for r in referee.results(ids))
         wait_for(lambda: done() >= 1500, 50, interval=0.05, message="1500 results")
+        # stopped at a moment it holds leases, read from Redis while it cannot commit:
+        # what the kill loses and the others must finish
+        held_at_kill = freeze_holding(referee, workers[0])
         workers[0].send_signal(signal.SIGKILL)
         workers[0].wait(10)
         workers.append(worker(proxy.url, queue_name, logs[2]))
-        events.append(f"worker SIGKILLed at {done()} done")
+        events.append(f"worker SIGKILLed at {done()} done, holding {len(held_at_kill)} leases")
         wait_for(lambda: done() >= 3000, 50, interval=0.05, message="3000 results")
         server.stop(signal.SIGKILL)
         server.start()
@@ -123,6 +128,7 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
           f"lost) {sum(r.attempts > 1 for r in results if r)}; faults: {dict(proxy.faults)}, "
           f"enqueue calls retried {enqueue_retries}; {'; '.join(events)}")
     assert len(events) == 2, events
+    assert held_at_kill and all(commits[i] == 1 for i in held_at_kill)  # the kill lost leases
     assert not lost and not wrong and not duplicated and not uncommitted
     assert [r.output["echo"] for r in mapped] == list(range(MAPPED))
     assert stats["pending"] == 0 and stats["inflight"] == 0 and stats["dead"] == 0

@@ -19,9 +19,11 @@ COMMAND_MODULES = ("batchery.cli_shared", "batchery.queue_cli", "batchery.produc
 # Commands that print no result: they run until stopped and write logs.
 NO_JSON = {("worker",): "runs until stopped; logs only",
            ("job", "worker"): "runs until stopped; logs only",
-           ("dashboard",): "serves a web page until stopped"}
+           ("dashboard",): "serves a web page until stopped",
+           ("serve",): "serves the OpenAI API until stopped"}
 # Environment variables batchery reads that are no option: none may be an option's name.
-NOT_OPTIONS = {config.ENV_HOME, config.ENV_NO_EMBEDDED, config.ENV_REDIS_URL_FALLBACK}
+NOT_OPTIONS = {config.ENV_HOME, config.ENV_NO_EMBEDDED, config.ENV_REDIS_URL_FALLBACK,
+               config.ENV_API_KEYS}
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)
@@ -63,6 +65,31 @@ def test_an_option_comes_from_the_environment(redis_url: str) -> None:
     given = run_cli("worker", "--runner", "tests.runners:echo", "--max-batch-size", "5000",
                     redis_url=redis_url, BATCHERY_MAX_BATCH_SIZE="0")
     assert "got 5000" in given.stderr  # the command line wins over the environment
+
+
+def test_json_id_and_all_never_come_from_the_environment(redis_url: str, queue_name: str) -> None:
+    """--json, --id and --all change what a command prints, which request it makes or how
+    much it destroys: a variable the caller never saw must not set them."""
+    never = {"as_json": "--json", "request_id": "--id", "everything": "--all"}
+    seen = {name: 0 for name in never}
+    for path, command in walk(cli):
+        for param in command.params:
+            if param.name in never:
+                seen[param.name] += 1
+                assert env_names(param) == [], (" ".join(path), never[param.name])
+    assert seen["as_json"] >= 10 and seen["request_id"] >= 1 and seen["everything"] >= 2
+    # and for real: each variable set, the command does what it does without the flag
+    env = {f"{config.ENV_PREFIX}_{name.upper()}": value for name, value in
+           (("as_json", "1"), ("request_id", "fixed-id"), ("everything", "1"))}
+    first = run_cli("enqueue", "-q", queue_name, "--text", "a", redis_url=redis_url, **env)
+    second = run_cli("enqueue", "-q", queue_name, "--text", "b", redis_url=redis_url, **env)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert not first.stdout.startswith("{") and "fixed-id" not in first.stdout
+    assert first.stdout != second.stdout  # two requests, each its own id
+    stats = run_cli("queue", "stats", "-q", queue_name, redis_url=redis_url, **env)
+    assert stats.stdout.startswith("queue ") and queue_name in stats.stdout  # the table
+    purge = run_cli("queue", "dead", "purge", "-q", queue_name, redis_url=redis_url, **env)
+    assert purge.returncode == 2 and "name the request ids, or pass --all" in purge.stderr
 
 
 def test_log_level_works_after_the_command(redis_url: str, queue_name: str) -> None:

@@ -74,19 +74,47 @@ def test_result_and_map_preserve_order(redis_url: str, queue_name: str) -> None:
     assert {r.status for r in results} == {"ok"}
 
 
+def drawn_while_no_worker_runs(redis_url: str, client: Client, call, inputs: list,
+                               limit: int) -> list:
+    """Run ``call(inputs)`` (a stream or map with ``max_in_flight=limit``) with no worker:
+    once ``limit`` requests are queued it must draw no more of ``inputs`` and queue no more
+    until results come. Then a worker serves them all; returns the results."""
+    drawn = []
+
+    def source():
+        for value in inputs:
+            drawn.append(value)
+            yield value
+    results: list = []
+    caller = threading.Thread(target=lambda: results.extend(call(source())))
+    caller.start()
+    try:
+        # with no worker nothing completes: what is queued now is all it keeps in flight
+        wait_for(lambda: client.queue.stats()["pending"] >= limit, 30,
+                 message=f"{limit} requests queued")
+        queued = client.queue.stats()["pending"]
+        assert queued == limit, f"{queued} requests queued at once, max_in_flight={limit}"
+        assert len(drawn) == limit  # nor drawn from the input ahead of room
+    finally:
+        with BackgroundWorker(redis_url, client.queue.name, max_batch_size=8):
+            caller.join(60)
+    assert not caller.is_alive()
+    return results
+
+
 def test_stream_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str) -> None:
-    seen_pending = []
-    with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name,
-                                                                    max_batch_size=8):
-        def requests():
-            for i in range(200):
-                if i % 20 == 0:
-                    stats = client.queue.stats()
-                    seen_pending.append(stats["pending"] + stats["inflight"])
-                yield {"input": i}
-        results = list(client.stream(requests(), max_in_flight=25))
+    with Client(redis_url, queue_name) as client:
+        results = drawn_while_no_worker_runs(
+            redis_url, client, lambda source: client.stream(({"input": i} for i in source), max_in_flight=25),
+            list(range(200)), 25)
     assert sorted(r.output["echo"] for r in results) == list(range(200))
-    assert max(seen_pending) <= 25
+
+
+def test_map_keeps_a_bounded_number_in_flight(redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        results = drawn_while_no_worker_runs(
+            redis_url, client, lambda source: client.map(source, max_in_flight=30), list(range(120)), 30)
+    assert [r.output["echo"] for r in results] == list(range(120))
 
 
 def test_idempotent_enqueue_returns_the_existing_result(redis_url: str, queue_name: str) -> None:
@@ -168,11 +196,14 @@ def test_async_client_submit_map_and_cancel(redis_url: str, queue_name: str) -> 
     asyncio.run(scenario())
 
 
-def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_name: str,
-                                                       rconn) -> None:
+def test_async_enqueues_started_together_go_as_one_call(private_redis: RedisServer,
+                                                       queue_name: str) -> None:
     """Concurrent one-request enqueues (a service awaiting submit per caller) share one
     enqueue call; a refused one is sent again caller by caller, so each caller gets its
-    own answer: the others' requests are queued, the refused one says why."""
+    own answer: the others' requests are queued, the refused one says why. (A server of
+    its own: the calls counted are this test's alone.)"""
+    redis_url = private_redis.url
+    rconn = RedisSettings.from_url(redis_url).client()
     def enqueue_calls() -> int:
         return int(rconn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
@@ -197,3 +228,57 @@ def test_async_enqueues_started_together_go_as_one_call(redis_url: str, queue_na
             assert [type(o).__name__ for o in outcomes] == ["AsyncHandle"] * 2 + ["QueueFull"] * 2
     with Client(redis_url, queue_name) as settings:
         asyncio.run(scenario(settings))
+    rconn.close()
+
+
+def test_sync_enqueues_from_many_threads_go_as_few_calls(private_redis: RedisServer,
+                                                         queue_name: str) -> None:
+    """The sync Client shared by a thread pool: one-request enqueues made at once share
+    calls (a group commit), and a refused call is sent again caller by caller, so each
+    thread gets its own answer, as the AsyncClient's callers do. (A server of its own:
+    the calls counted are this test's alone.)"""
+    redis_url = private_redis.url
+    rconn = RedisSettings.from_url(redis_url).client()
+
+    def enqueue_calls() -> int:
+        return int(rconn.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    def at_once(client: Client, inputs: list[str]) -> list[object]:
+        """Each input enqueued by its own thread, all released together: handle or error."""
+        start = threading.Barrier(len(inputs))
+        outcomes: list[object] = [None] * len(inputs)
+
+        def one(i: int) -> None:
+            start.wait()
+            try:
+                outcomes[i] = client.enqueue(inputs[i])
+            except Exception as exc:
+                outcomes[i] = exc
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(inputs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return outcomes
+
+    with Client(redis_url, queue_name) as client:
+        client.enqueue("warm")  # scripts loaded, queue registered
+        before = enqueue_calls()
+        handles = at_once(client, [f"r{i}" for i in range(100)])
+        calls = enqueue_calls() - before
+        assert all(hasattr(h, "id") for h in handles), handles
+        assert calls <= 10, f"100 threads made {calls} enqueue calls"
+        assert client.queue.lookup([h.id for h in handles]) == [True] * 100
+
+        client.queue.update_settings(max_request_bytes=200)
+        outcomes = at_once(client, ["ok 1", "x" * 500, "ok 2", "ok 3"])
+        assert isinstance(outcomes[1], RequestTooLarge)
+        ok = [o for i, o in enumerate(outcomes) if i != 1]
+        assert client.queue.lookup([h.id for h in ok]) == [True] * 3
+
+        client.queue.update_settings(max_request_bytes=10_000, max_pending=106)  # 2 more
+        outcomes = at_once(client, [f"f{i}" for i in range(6)])
+        kinds = sorted(type(o).__name__ for o in outcomes)
+        assert kinds == ["Handle"] * 2 + ["QueueFull"] * 4, outcomes
+        assert client.queue.stats()["pending"] == 106
+    rconn.close()

@@ -195,6 +195,27 @@ def test_a_finished_job_shows_its_counts_and_a_full_bar(redis_url: str, queue_na
         assert 'style="width: 100.0%"' in row and "21 / 21" in row and "cancel" not in row
 
 
+def test_alerts_say_paused_queues_and_failed_jobs(redis_url: str, queue_name: str,
+                                                  tmp_path: Path) -> None:
+    """A paused queue and a job that failed within the hour are alerts, saying what to do."""
+    jobs_queue = f"jobs-{queue_name}"
+    source = write_lines(tmp_path / "in.jsonl", job_lines(3))
+    job_id = submit(redis_url, jobs_queue, queue_name, source, tmp_path / "out.jsonl")
+    with open(source, "a") as f:  # changed after submission: the run refuses it and fails
+        f.write('{"input": "one more"}\n')
+    ran = run_cli("job", "worker", "--burst", "--jobs-queue", jobs_queue, redis_url=redis_url)
+    assert ran.returncode == 0, ran.stderr
+    with Client(redis_url, queue_name) as client:  # known to the dashboard: it holds a request
+        client.enqueue("waits")
+    assert run_cli("queue", "pause", queue_name, redis_url=redis_url).returncode == 0
+    with dashboard(redis_url, tmp_path, "--jobs-queue", jobs_queue) as board:
+        state = board.state()
+    assert state["jobs"][0]["state"] == "failed"
+    failed = [a for a in state["alerts"] if a.startswith(f"job {job_id} failed: ")]
+    assert len(failed) == 1 and "changed since it was submitted" in failed[0], state["alerts"]
+    assert f"queue {queue_name} is paused (`batchery queue resume {queue_name}`)" in state["alerts"]
+
+
 def test_binding_elsewhere_without_a_token_is_refused(redis_url: str) -> None:
     for host in ("0.0.0.0", "192.0.2.1"):
         done = run_cli("dashboard", "--host", host, redis_url=redis_url, timeout=30,

@@ -27,9 +27,6 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from batchery import config
-from batchery.batching.keys import Keys
-from batchery.batching.messages import Request
-from batchery.batching.queue import RequestQueue
 from batchery.cli import cli
 from batchery.cli_shared import env_names, walk
 from batchery.workers import metrics
@@ -109,8 +106,9 @@ def _examples(text: str, where: str) -> Iterator[tuple[list[str], str, bool]]:
         example = re.match(r"\s*#\s{2,}(.*)", line)
         if example:
             m = re.search(r"(?:^|\s--\s|\$\()(batchery\s[^`)]*)", example.group(1))
-            if m:
-                yield shlex.split(m.group(1)), f"{where}:{n}", False
+            if m:  # up to a pipe or a redirection: that part is the shell's
+                command = re.split(r"\s[|>]\s", m.group(1))[0]
+                yield shlex.split(command), f"{where}:{n}", False
         for span in re.findall(r"`(batchery\s[^`]*)`", line):
             yield shlex.split(span), f"{where}:{n}", True
 
@@ -325,31 +323,6 @@ def scaled_queue(so: dict[str, Any], check: Any) -> str:
     assert so["metadata"]["namespace"] == kustomization()["namespace"]
     worker = workers[target]
     return check(container_argv(worker), target, container_env(worker)).params["queue"]
-
-
-def test_keda_scales_from_zero_on_the_queues_sorted_sets(check: Any, rconn: Any) -> None:
-    auth, so = yaml_docs(SCALEDOBJECT)
-    assert (auth["kind"], so["kind"]) == ("TriggerAuthentication", "ScaledObject")
-    assert so["spec"]["minReplicaCount"] == 0  # Redis answers with no worker running
-    keys = Keys(scaled_queue(so, check))
-    triggers = so["spec"]["triggers"]
-    assert {t["type"] for t in triggers} == {"redis"}
-    assert [t["metadata"]["listName"] for t in triggers] == [keys.pending, keys.delayed]
-    assert all(t["authenticationRef"]["name"] == auth["metadata"]["name"] for t in triggers)
-    howto = SCALEDOBJECT.read_text()
-    for ref in auth["spec"]["secretTargetRef"]:
-        assert f"create secret generic {ref['name']}" in howto
-        assert f"--from-literal={ref['key']}=" in howto
-    # what KEDA's redis scaler does on a live Redis: TYPE, then ZCARD for a sorted set
-    queue = RequestQueue(rconn, keys.tag)
-    queue.enqueue([Request.validated(id=f"k{i}", input="x") for i in range(3)])
-    depth = {}
-    for t in triggers:
-        name = t["metadata"]["listName"]
-        assert rconn.type(name) in ("zset", "none")
-        depth[name] = rconn.zcard(name)
-    assert depth == {keys.pending: 3, keys.delayed: 0}
-    queue.cancel([f"k{i}" for i in range(3)])
 
 
 def test_keda_prometheus_alternative_reads_the_depth_gauge(check: Any) -> None:

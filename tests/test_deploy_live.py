@@ -9,14 +9,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import yaml
 
 from batchery import Client
+from batchery.batching.keys import tag_slot
+from batchery.batching.messages import Request
+from batchery.batching.sharded import open_queue
+from batchery.connection import RedisSettings
+from tests.test_cluster import local_cluster, node_of_slot
+from tests.test_keda import keda_printed, keda_reading
 from tests.conftest import (ROOT, RedisServer, cli_env, free_port, pings, scrape, start_worker,
                             stop_process, wait_for)
 
@@ -90,7 +98,24 @@ def keda_query(samples_per_worker: list[dict]) -> float:
     return sum(groups.values())
 
 
-def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path) -> None:
+def held_still(client: Client) -> Any:
+    """A condition: the requests in flight, the same (and some) at two readings 1.5 s
+    apart (every claim a worker makes with its batch held is done by then)."""
+    seen: list[tuple[float, int]] = []
+
+    def check() -> bool:
+        now, held = time.monotonic(), client.queue.stats()["inflight"]
+        seen.append((now, held))
+        return held > 0 and any(n == held and now - at >= 1.5 for at, n in seen) \
+            and all(n == held for at, n in seen if now - at <= 1.5)
+    return check
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path,
+                                                                  shards: int) -> None:
+    """Two workers on the queue `embed` (over 1 or 3 shards) exporting its depth: the query
+    reads the whole queue's queued requests, every shard, counted once."""
     server = RedisServer()  # its own server: the query names the queue "embed"
     gate = tmp_path / "gate"
     gate.touch()  # the workers hold their batches: the rest stays queued
@@ -98,7 +123,8 @@ def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path
     workers = []
     try:
         with Client(server.url, "embed") as client:
-            client.queue.update_settings(lease_seconds=3)  # depth refreshed every second
+            client.queue.update_settings(lease_seconds=3,  # depth refreshed every second
+                                         shards=shards)
             workers = [start_worker(server.url, "embed", "--runner", "tests.runners:gated",
                                     "--max-batch-size", "4", "--max-wait-ms", "0",
                                     "--metrics-port", str(port), log=tmp_path / f"w{port}.log",
@@ -106,10 +132,15 @@ def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path
             wait_for(lambda: client.queue.stats()["workers"] == 2, 60, message="two workers")
             client.enqueue_many([{"input": i, "priority": p} for i, p in
                                  enumerate(["realtime"] * 10 + ["normal"] * 20 + ["batch"] * 30)])
-            wait_for(lambda: client.queue.stats()["inflight"] == 16, 30,
-                     message="each worker to hold a running and a prefetched batch")
-            depth = client.queue.stats()["pending"]
-            assert depth == 60 - 16
+            if shards == 1:
+                wait_for(lambda: client.queue.stats()["inflight"] == 16, 30,
+                         message="each worker to hold a running and a prefetched batch")
+            else:  # batches cut where another shard's head ranks first: held, not 16
+                wait_for(held_still(client), 30, interval=0.5,
+                         message="each worker to hold a running and a prefetched batch")
+            stats = client.queue.stats()
+            depth = stats["pending"]
+            assert depth == 60 - stats["inflight"] and depth > 30
             wait_for(lambda: keda_query([scrape(p) for p in ports]) == depth, 20,
                      message=f"the KEDA query to read the depth {depth}")
             def naive() -> float:  # each worker refreshes its gauge at its own heartbeat
@@ -127,3 +158,30 @@ def test_the_keda_query_reads_the_queue_depth_once_across_workers(tmp_path: Path
         for worker in workers:
             stop_process(worker)
         server.close()
+
+
+def test_keda_counts_every_shard_on_a_cluster_from_zero() -> None:
+    """`batchery queue keda embed --cluster` on a 3-master Cluster with the queue over 3
+    shards: its redis-cluster triggers name keys on all three masters, and what KEDA reads
+    (each key's TYPE and ZCARD from the master holding it, added by the formula) is the
+    queue's whole queued count, with no worker running."""
+    with local_cluster(3, 0) as nodes:
+        url = nodes[0].url
+        conn = RedisSettings.from_url(url, cluster=True).client()
+        queue = open_queue(conn, "embed")
+        queue.update_settings(shards=3)
+        ids = [f"c{i}" for i in range(90)]
+        queue.enqueue([Request.validated(id=i, input="x") for i in ids])
+        _, so = keda_printed("embed", "--cluster", "--redis-url", url)
+        triggers, modifiers = so["spec"]["triggers"], so["spec"]["advanced"]["scalingModifiers"]
+        assert {t["type"] for t in triggers} == {"redis-cluster"} and len(triggers) == 6
+        with redis.Redis(port=nodes[0].port) as probe:
+            homes = {node_of_slot(probe, tag_slot(t["metadata"]["listName"].split("{")[1].split("}")[0]))
+                     for t in triggers}
+        assert len(homes) == 3, "the shards' keys sit on every master"
+        stats = queue.stats()
+        assert stats["workers"] == 0
+        assert keda_reading(triggers, modifiers["formula"], conn) == stats["pending"] == 90
+        queue.cancel(ids)
+        assert keda_reading(triggers, modifiers["formula"], conn) == 0
+        conn.close()

@@ -9,9 +9,9 @@ BATCHERY_REDIS_URL pointing at a private Redis database emptied before the page;
 command ending in ``&`` (a worker, the dashboard) runs in the background until the page
 ends, and must still be running then. What a reader would type against their own machine is rewritten
 to the test's: the Redis URLs ``redis://localhost:6379/0`` and ``redis://127.0.0.1:6379/0``,
-the dashboard's port 8480 and the metrics port 9100 become free ones. A command that
-changed and a page that did not so fail here: an unknown option exits 2, and ``set -e``
-stops the page there.
+the dashboard's port 8480, the gateway's 8000 and the metrics port 9100 become free ones.
+A command that changed and a page that did not so fail here: an unknown option exits 2,
+and ``set -e`` stops the page there.
 """
 
 from __future__ import annotations
@@ -115,16 +115,17 @@ def docs_redis() -> Iterator[RedisServer]:
 
 def run_page(page_blocks: list[Block], redis_url: str,
              workdir: Path) -> subprocess.CompletedProcess:
-    dashboard_port, metrics_port = free_port(), free_port()
+    dashboard_port, metrics_port, gateway_port = free_port(), free_port(), free_port()
     substitutions = {"redis://localhost:6379/0": redis_url, "redis://127.0.0.1:6379/0": redis_url,
                      "127.0.0.1:8480": f"127.0.0.1:{dashboard_port}",
+                     "127.0.0.1:8000": f"127.0.0.1:{gateway_port}",
                      "--metrics-port 9100": f"--metrics-port {metrics_port}",
                      "127.0.0.1:9100": f"127.0.0.1:{metrics_port}"}
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("BATCHERY_", "OTEL_")) and k != "REDIS_URL"}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                BATCHERY_REDIS_URL=redis_url, BATCHERY_HOME=str(workdir / ".home"),
-               BATCHERY_DASHBOARD_PORT=str(dashboard_port),
+               BATCHERY_DASHBOARD_PORT=str(dashboard_port), BATCHERY_PORT=str(gateway_port),
                # a worker times its model at start to choose its batch size: seconds that
                # say nothing about the page; a fixed size skips it
                BATCHERY_MAX_BATCH_SIZE="8",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,6 +20,8 @@ from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
+from batchery.workers.runners.base import InputError
+from batchery.workers.runners.sampling import parse_params
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
 from tests.generation_helpers import build_gpt2, generate_worker
 
@@ -60,6 +63,22 @@ def test_lengths_are_exact_and_greedy_text_matches_a_static_batch(worker, client
     assert {r.output["finish_reason"] for r in results} == {"length"}
     static = runner.run(runner.prepare([{"prompt": "x " * 40, "max_new_tokens": 33}]).data)[0]
     assert results[2].output["text"] == static["text"]
+
+
+def test_chat_messages_render_through_the_template_or_a_plain_transcript(worker, client,
+                                                                          runner, monkeypatch) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.enqueue({"messages": messages, "max_new_tokens": 5}).result(timeout=60)
+    plain = client.enqueue({"prompt": "system: be brief\nuser: hi\nassistant:",
+                            "max_new_tokens": 5}).result(timeout=60)
+    assert chat.ok and chat.output["text"] == plain.output["text"]  # no template: a transcript
+    assert chat.output["prompt_tokens"] == plain.output["prompt_tokens"] > 0
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    monkeypatch.setattr(runner._tokenizer, "chat_template", template, raising=False)
+    params = parse_params({"messages": messages})
+    assert runner.prompt(params) == "<system>be brief<user>hi<assistant>"
+    with pytest.raises(InputError, match="messages"):
+        parse_params({"messages": [{"role": "user"}]})
 
 
 def test_eos_ends_a_sequence(worker, client, runner, monkeypatch) -> None:
@@ -170,7 +189,9 @@ def test_cancel_stops_a_running_sequence_and_frees_its_room(worker, client) -> N
     assert result.status == "cancelled"
     streamed = "".join(e.text for e in events[:-1])
     tokens = max(e.tokens for e in events[:-1])
-    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled"}
+    assert result.output == {"text": streamed, "tokens": tokens, "finish_reason": "cancelled",
+                             "prompt_tokens": result.output["prompt_tokens"]}
+    assert result.output["prompt_tokens"] > 0
     assert 0 < tokens < LONG
     wait_for(lambda: not worker.loop.batch.rows, timeout=5, message="the sequence to leave")
 
@@ -192,6 +213,30 @@ def test_only_the_lease_held_at_the_cancel_attaches_output_once(rconn, queue_nam
     assert queue.result(queued).output is None
 
 
+def test_stop_hands_back_claimed_requests_not_started(redis_url, queue_name, runner,
+                                                      client) -> None:
+    """At SIGTERM (the worker's stop event) a request claimed but not started (no room
+    for it yet) goes back to the queue, unrun and with no attempt spent; the running
+    sequence finishes and commits."""
+    with generate_worker(redis_url, queue_name, runner, max_batch_size=2,
+                         max_batch_tokens=LONG + 50) as w:
+        running = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True})
+        stream = running.stream(timeout=30)
+        assert next(stream).kind == "text"  # it decodes, holding all but 50 tokens of room
+        waiting = client.enqueue({"prompt": "and on", "max_new_tokens": 100})
+        # claimed (the claim takes the head whatever its size), and waiting for room
+        wait_for(lambda: any(s.key.request.id == waiting.id for s in w.loop.waiting), 30,
+                 0.01, "the second request claimed, waiting for room")
+        assert client.queue.stats()["inflight"] == 2
+    assert running.result(timeout=5).output["tokens"] == LONG
+    assert client.get(waiting.id) is None  # not run
+    stats = client.queue.stats()
+    assert (stats["pending"], stats["inflight"]) == (1, 0)  # back in the queue, unleased
+    with generate_worker(redis_url, queue_name, runner):
+        again = waiting.result(timeout=60)
+    assert again.status == "ok" and again.attempts == 1 and again.output["tokens"] == 100
+
+
 def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, client) -> None:
     long = client.enqueue({"prompt": "go on", "max_new_tokens": LONG, "stream": True},
                           priority="batch")
@@ -207,8 +252,13 @@ def test_a_newcomer_joins_the_running_batch_without_waiting_for_it(worker, clien
 
 
 def test_a_deadline_stops_generation_with_the_text_so_far(worker, client) -> None:
+    # a deadline at half of what the whole generation takes on this machine, now: the
+    # sequence starts well within it (a claim) and cannot finish, however busy the machine
+    started = time.monotonic()
+    assert generate(client, prompt="go on", max_new_tokens=LONG).output["tokens"] == LONG
+    whole_s = time.monotonic() - started
     result = client.enqueue({"prompt": "go on", "max_new_tokens": LONG},
-                            deadline=0.3).result(timeout=30)
+                            deadline=whole_s / 2).result(timeout=30)
     assert result.status == "expired" and result.output["finish_reason"] == "deadline"
     assert 0 < result.output["tokens"] < LONG and result.output["text"]
 

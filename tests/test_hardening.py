@@ -201,10 +201,13 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
 
 
-def test_stats_and_forget_workers_read_the_queues_own_clock(queue: RequestQueue,
-                                                           rconn: redis.Redis) -> None:
+def test_stats_and_forget_workers_read_the_queues_own_clock(private_redis: RedisServer,
+                                                           queue_name: str) -> None:
     """The clock comes from TIME inside a script, on the node that holds the queue, never
-    from the client's TIME (in a Cluster that may ask another node)."""
+    from the client's TIME (in a Cluster that may ask another node). (A server of its own:
+    the commands watched are this test's alone.)"""
+    rconn = RedisSettings.from_url(private_redis.url).client()
+    queue = RequestQueue(rconn, queue_name)
     queue.renew("w", [])
     marker = f"done-{queue.name}"
     with rconn.monitor() as monitor:

@@ -347,3 +347,15 @@ def test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter(redis_url:
         assert found[0].id == handles[2].id and found[0].error["type"] == "ResultUnreadable"
         assert found[1] == Result(handles[3].id, "ok", 3)
         assert client.get(handles[2].id).status == "error"
+
+
+def test_a_damaged_attempt_count_fails_its_request_alone(redis_url: str, queue_name: str) -> None:
+    """Whatever else Redis holds for one request that cannot be read (here its attempt
+    count) fails that request alone at the claim's boundary, not the claim."""
+    with Client(redis_url, queue_name) as client:
+        handles = client.enqueue_many([{"input": f"text {i}"} for i in range(4)])
+        client.queue.client.hset(client.queue.first.keys.attempts, handles[1].id, "not a count")
+        drain(redis_url, queue_name)
+        results = [h.result(timeout=10) for h in handles]
+    assert results[1].status == "error" and "cannot be read" in results[1].error["message"]
+    assert [r.ok for r in results] == [True, False, True, True]

@@ -6,12 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
+from tests.conftest import ROOT, RedisServer, cli_env, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import (read_jsonl, requests, start_jobs_worker, status, submit,
                                 wait_done_at_least, wait_state, write_lines)
 
@@ -276,6 +275,29 @@ def test_cancel_queued_job_never_runs(redis_url: str, queue_name: str, jobs_queu
                                         "cancelled": False}
 
 
+def test_job_status_watch_exits_7_when_the_job_is_cancelled(redis_url: str, queue_name: str,
+                                                            jobs_queue: str, tmp_path: Path) -> None:
+    """`job status --watch` follows a running job until it ends: 0 once finished (checked
+    where jobs finish), 7 when it failed or was cancelled."""
+    source = write_lines(tmp_path / "in.jsonl", requests(10))
+    jobs_worker = start_jobs_worker(redis_url, jobs_queue)  # no model worker: it runs on
+    try:
+        job = submit(redis_url, jobs_queue, queue_name, source, tmp_path / "out.jsonl")
+        wait_for(lambda: status(redis_url, job)["state"] == "running", 60, 0.1, "the job to run")
+        watch = subprocess.Popen([sys.executable, "-m", "batchery", "job", "status", job,
+                                  "--watch"], cwd=ROOT, env=cli_env(redis_url),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert run_cli("job", "cancel", job, redis_url=redis_url).returncode == 0
+            out, err = watch.communicate(timeout=60)
+        finally:
+            stop_process(watch)
+        assert watch.returncode == 7, (out, err)
+        assert "cancelled" in out
+    finally:
+        stop_process(jobs_worker)
+
+
 def test_a_job_queued_under_the_former_function_path_still_runs(
         redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -353,7 +375,10 @@ def test_jobs_worker_waits_for_redis_to_come_up(queue_name: str, tmp_path: Path)
     server.stop()  # nothing listens on its port yet
     jobs_worker = start_jobs_worker(server.url, "batchery", "--burst", log=tmp_path / "jobs.log")
     try:
-        time.sleep(2)
+        # it found no Redis (and said so) and waits for it: twice, so it did not exit after one
+        log = tmp_path / "jobs.log"
+        wait_for(lambda: log.read_text().count("Redis unavailable") >= 2, 60, 0.1,
+                 "the jobs worker to retry twice")
         assert jobs_worker.poll() is None, "the jobs worker must wait, not exit"
         server.start()
         assert jobs_worker.wait(60) == 0  # connected, found no job, and finished its burst

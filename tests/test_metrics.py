@@ -62,6 +62,7 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
     assert value(samples, "batchery_retries_total", **q) == 1  # "bad" failed once, then again: dead
     assert value(samples, "batchery_dead_letters_total", **q) == 1
     assert value(samples, "batchery_oom_backoffs_total", **q) == 0
+    assert value(samples, "batchery_max_batch_size", **q) == 2  # --max-batch-size, in force
     # every successful run is one observation; each ok request ran once, "bad" never did
     runs = value(samples, "batchery_batch_size_count", **q)
     assert value(samples, "batchery_batch_size_sum", **q) == 6 and 3 <= runs <= 6

@@ -198,6 +198,19 @@ def test_out_of_memory_halves_batches_and_caps_them(redis_url: str, queue_name: 
     assert 1 <= backoffs <= 3  # 16 -> 8 -> 4, then the cap keeps later batches at 4
 
 
+def test_a_batch_longer_than_its_lease_runs_once(redis_url: str, queue_name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat renews the leases of a batch that runs past lease_seconds: the reaper
+    (this worker's own) leaves it alone, and it commits on its first attempt."""
+    monkeypatch.setenv("BATCHERY_TEST_SLEEP", "3.5")  # 3.5 leases of 1 s
+    with Client(redis_url, queue_name) as client:
+        client.queue.update_settings(lease_seconds=1, max_attempts=3)
+        handle = client.enqueue("long one")
+        with BackgroundWorker(redis_url, queue_name, runners.slow):
+            result = handle.result(timeout=60)
+        assert result.status == "ok" and result.attempts == 1, result
+
+
 def test_a_request_past_its_deadline_is_never_run(redis_url: str, queue_name: str) -> None:
     with Client(redis_url, queue_name) as client:
         late = client.enqueue("too late", deadline=0.2)

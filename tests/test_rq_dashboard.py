@@ -89,12 +89,13 @@ def worker_rows(driver: webdriver.Chrome) -> list[str]:
 
 
 def shows(driver: webdriver.Chrome, url: str, read: Callable[[webdriver.Chrome], Any],
-          want: Callable[[Any], Any]) -> bool:
-    """Load ``url`` and wait a little for its script to fill the page with what ``want``
-    accepts (from what ``read`` reads)."""
+          want: Callable[[Any], Any], wait_s: float = 60) -> bool:
+    """Load ``url`` and wait up to ``wait_s`` for its script to fill the page with what
+    ``want`` accepts (from what ``read`` reads): the state it shows holds still, so only a
+    page that never shows it fails (a busy machine renders slowly, it does not time out)."""
     driver.get(url)
     try:
-        wait_for(lambda: want(read(driver)), 5, 0.1, message=url)
+        wait_for(lambda: want(read(driver)), wait_s, 0.1, message=url)
         return True
     except AssertionError:
         return False
@@ -136,7 +137,8 @@ def test_rq_dashboard_and_rq_info_show_a_running_then_a_finished_job(
             done = ("0", "1", "0")  # started, finished, failed
             assert wait_for(lambda: shows(
                 browser, f"{board}/0/view/queues", lambda d: queue_row(d, jobs_queue),
-                lambda row: row and (row[STARTED], row[FINISHED], row[FAILED]) == done), 60,
+                lambda row: row and (row[STARTED], row[FINISHED], row[FAILED]) == done,
+                wait_s=10), 120,  # loaded again until it shows the job's change
                 message="the job finished on the Queues page")
             assert shows(browser, f"{board}/0/view/jobs/{jobs_queue}/finished/8/asc/1", job_rows,
                          lambda ids: ids == [job])

@@ -12,7 +12,7 @@ from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassificati
 
 from batchery.errors import ConfigError
 from batchery.workers.runners import InputError, load_runner
-from batchery.workers.calibrate import pick_batch_size
+from batchery.workers.calibrate import pick_batch_size, smallest_within_tolerance
 from batchery.workers.runners.hf import CountedTexts, count_texts, resolve_model, tokenize
 from bench.corpus import paragraphs
 
@@ -133,13 +133,23 @@ def test_classify_gives_labels_and_scores_independent_of_batching(tiny_models) -
         assert b["label"] == max(b["scores"], key=b["scores"].get)
 
 
-def test_generate_honours_max_new_tokens_with_left_padding(tiny_models) -> None:
-    runner = load_runner("generate", str(tiny_models["generate"]), None, "cpu")
+def test_generate_honours_max_new_tokens_with_left_padding(tiny_models, tmp_path: Path) -> None:
+    # the same weights without an EOS token: nothing ends a text early, so each gets
+    # exactly its max_new_tokens (32 by default)
+    no_eos = GPT2LMHeadModel.from_pretrained(tiny_models["generate"])
+    no_eos.config.eos_token_id = no_eos.generation_config.eos_token_id = None
+    no_eos.save_pretrained(tmp_path / "no-eos")
+    AutoTokenizer.from_pretrained(tiny_models["generate"]).save_pretrained(tmp_path / "no-eos")
+    runner = load_runner("generate", str(tmp_path / "no-eos"), None, "cpu")
     inputs = ["Once upon a time", {"prompt": "The standard library", "max_new_tokens": 5},
               {"text": "x", "max_new_tokens": 12}]
     prepared = runner.prepare(inputs)
     outputs = runner.run(prepared.data)
-    assert [o["tokens"] <= n for o, n in zip(outputs, [32, 5, 12])] == [True] * 3
+    assert [o["tokens"] for o in outputs] == [32, 5, 12]
+    # with its EOS the model ends some at once (these random weights): never longer
+    with_eos = load_runner("generate", str(tiny_models["generate"]), None, "cpu")
+    ended = with_eos.run(with_eos.prepare(inputs).data)
+    assert [o["tokens"] <= n for o, n in zip(ended, [32, 5, 12])] == [True] * 3
     assert all(isinstance(o["text"], str) for o in outputs)
     assert runner.run(prepared.data) == outputs  # greedy: deterministic
     assert runner.run(runner.prepare([inputs[1]]).data)[0]["text"] == outputs[1]["text"]
@@ -172,3 +182,14 @@ def test_calibration_keeps_the_smallest_batch_within_five_percent_of_the_best(ti
     assert max(rates) * min(runner.max_input_tokens, 32) <= 8192 or len(rates) == 1
     # a custom runner has no sample input to time: the fixed default
     assert pick_batch_size(load_runner(None, None, "tests.runners:echo"), 8192) == (64, {})
+    # the token budget bounds the sizes timed: 2 of a typical length fit, never 4
+    length = min(64, runner.max_input_tokens)
+    size, rates = pick_batch_size(runner, max_batch_tokens=2 * length)
+    assert list(rates) == [1, 2] and size in rates
+
+
+def test_calibration_chooses_the_smallest_size_within_five_percent() -> None:
+    # past 4 a bigger batch buys under 5%: 4 it is, not the fastest 16
+    assert smallest_within_tolerance({1: 100, 2: 190, 4: 300, 8: 310, 16: 312}) == 4
+    assert smallest_within_tolerance({1: 100, 2: 94.9, 4: 80}) == 1
+    assert smallest_within_tolerance({1: 50, 2: 96, 4: 100}) == 2  # within 5%: not the fastest

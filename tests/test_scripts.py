@@ -277,7 +277,107 @@ def test_estimated_requests_are_handed_to_a_counting_worker_then_claimed_on_exac
     assert {r.id: r.tokens for r in claimed} == {"r1": 5, "exact": 7}
 
 
+def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> None:
+    """A counting worker's claim that leases also hands over the estimated requests next
+    in line; sent with its next claim, their counts lease at once (no pricing round). A
+    claim without them prices them first, as before."""
+    queue.enqueue(requests(*"abcdef"))  # all estimated
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    assert [i for i, _ in priced.to_price] == ["r0", "r1"] and priced.batch == []
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in priced.to_price])
+    assert [r.id for r in first.batch] == ["r0", "r1"]
+    assert first.price_ahead == [("r2", "c"), ("r3", "d")]
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True,
+                         counts=[(i, 3) for i, _ in first.price_ahead])
+    assert [(r.id, r.tokens) for r in second.batch] == [("r2", 3), ("r3", 3)]
+    assert second.price_ahead == [("r4", "e"), ("r5", "f")]
+    again = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True)  # a retried call
+    assert [r.id for r in again.batch] == ["r2", "r3"] and again.price_ahead == []
+    other = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True)  # without the counts
+    assert [i for i, _ in other.to_price] == ["r4", "r5"] and other.batch == []
+    last = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True, counts=[("r4", 1), ("r5", 1)])
+    assert [r.id for r in last.batch] == ["r4", "r5"] and last.price_ahead == []
+    plain = queue.claim("w#4", 2, 10_000, 0, 10)
+    assert plain.batch == [] and plain.price_ahead == []
+
+
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400))
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
     assert [(r.id, r.tokens) for r in claimed] == [("r0", 102)]
+
+
+def test_retry_back_off_doubles_up_to_sixty_seconds(queue: RequestQueue) -> None:
+    """Failure n waits min(60 s, 0.5 s x 2^(n-1)) before its retry. The test moves each
+    retry's due time to now (its clock skips the wait) and reads the next wait as Redis
+    wrote it."""
+    queue.update_settings(max_attempts=12)
+    queue.enqueue(requests("bad"), "c")
+    waits = []
+    for n in range(11):
+        claimed = queue.claim(f"w#{n}", 10, 10_000, 0, 10).batch
+        assert [r.id for r in claimed] == ["r0"]
+        before = server_ms(queue)
+        assert failed(queue, claimed) == [1]
+        due = queue.client.zscore(queue.keys.delayed, "r0")
+        waits.append(due - before)
+        queue.client.zadd(queue.keys.delayed, {"r0": server_ms(queue) - 1})  # skip the wait
+    expected = [min(60_000, 500 * 2 ** n) for n in range(11)]
+    assert expected[-4:] == [60_000] * 4  # the cap reached from the 8th failure on
+    assert all(e <= w <= e + 100 for w, e in zip(waits, expected)), (waits, expected)
+
+
+def test_a_stream_is_trimmed_and_expires(queue: RequestQueue) -> None:
+    """A generation's stream keeps about MAXLEN entries, and expires TTL_S after its start
+    or end whether or not anyone reads it."""
+    from batchery.batching.streams import MAXLEN, TTL_S, StreamWriter
+    writer = StreamWriter(queue.client, lambda request_id: queue.keys)
+    writer.start("g", 1)
+    writer.flush()
+    key = queue.keys.stream("g")
+    assert 0 < queue.client.ttl(key) <= TTL_S
+    queue.client.persist(key)
+    for chunk in range(3):
+        for i in range(MAXLEN // 2):
+            writer.text("g", f"t{i}", i)
+        writer.flush()
+    assert queue.client.ttl(key) == -1  # text entries leave the expiry alone
+    writer.end("g", "length")
+    writer.flush()
+    assert MAXLEN <= queue.client.xlen(key) < MAXLEN + 200  # trimmed, approximately
+    assert 0 < queue.client.ttl(key) <= TTL_S
+    last = queue.client.xrevrange(key, count=1)[0][1]
+    assert last == {"e": "end", "finish_reason": "length"}
+
+
+def test_claim_keeps_padded_tokens_within_the_budget(queue: RequestQueue) -> None:
+    """A batch costs its longest request x its size: with a budget of 250 padded tokens a
+    claim takes two requests of 100 tokens, or the 100 alone beside a 200, never more."""
+    queue.enqueue([Request.validated(id=f"e{i}", input=i, tokens=100) for i in range(4)], "c")
+    assert [r.id for r in queue.claim("w#1", 10, 250, 0, 10).batch] == ["e0", "e1"]
+    queue.enqueue([Request.validated(id="long", input=0, tokens=200)], "c")
+    assert [r.id for r in queue.claim("w#2", 10, 250, 0, 10).batch] == ["e2", "e3"]
+    assert [r.id for r in queue.claim("w#3", 10, 250, 0, 10).batch] == ["long"]
+
+
+def test_a_partial_batch_waits_for_company_up_to_max_wait(queue: RequestQueue) -> None:
+    """A batch that is not full is held until its head has waited --max-wait-ms; a full
+    one goes at once."""
+    queue.enqueue(requests("a"), "c")
+    held = queue.claim("w#1", 2, 10_000, 60_000, 10)
+    assert held.batch == [] and 50_000 < held.wait_ms <= 60_000
+    queue.enqueue([Request.validated(id="b", input="b")], "c")
+    assert sorted(r.id for r in queue.claim("w#2", 2, 10_000, 60_000, 10).batch) == ["b", "r0"]
+
+
+def test_no_fill_from_slower_leaves_the_room_empty_and_runs_at_once(queue: RequestQueue) -> None:
+    """With --no-fill-from-slower a realtime head takes no batch-class company: it runs
+    alone, at once (the room left empty counts as full); with fill, both go together."""
+    queue.enqueue(requests("rt", priority="realtime") +
+                  [Request.validated(id="slow", input="b", priority="batch")], "c")
+    queue.update_settings(fill_from_slower=False)
+    assert [r.id for r in queue.claim("w#1", 10, 10_000, 60_000, 10).batch] == ["r0"]
+    queue.enqueue([Request.validated(id="rt2", input="c", priority="realtime")], "c")
+    queue.update_settings(fill_from_slower=True)
+    assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["rt2", "slow"]

@@ -337,10 +337,13 @@ def test_retry_on_another_shard_is_claimed_when_due(redis_url: str, queue_name: 
     conn.close()
 
 
-def test_batch_the_model_waited_for_is_not_read_again(redis_url: str, queue_name: str) -> None:
+def test_batch_the_model_waited_for_is_not_read_again(private_redis: RedisServer,
+                                                      queue_name: str) -> None:
     """Before it runs a batch claimed ahead the worker reads every shard's head again, to
     give the batch back for a more urgent request; a batch the model thread was already
-    waiting for runs on its claim's own read, with no command sent."""
+    waiting for runs on its claim's own read, with no command sent. (A server of its
+    own: the reads counted are this test's alone.)"""
+    redis_url = private_redis.url
     configure(redis_url, queue_name, "--shards", "2")
     conn = redis.Redis.from_url(redis_url, decode_responses=True)
     queue = open_queue(conn, queue_name)

@@ -123,7 +123,9 @@ def test_span_tree_of_one_request(redis_url: str, queue_name: str, receiver: Rec
     # the queue wait starts at enqueue (Redis' time, in ms, moved to the worker's clock by
     # the claim's round trip), each step after the one before
     assert wait.start == process.start
-    assert enqueue.start - 5e6 <= wait.start <= enqueue.end + 5e6
+    # (within the claim's round trip, which moved Redis' ms to the worker's clock: 50 ms
+    # bounds one on a loaded machine; the wrong clock or unit would be seconds or years off)
+    assert enqueue.start - 50e6 <= wait.start <= enqueue.end + 50e6
     assert wait.end <= tokenize.start <= tokenize.end <= run.start <= run.end <= commit.start
     assert commit.end == process.end
     hold = spans.child(wait, "batch hold")
@@ -162,7 +164,7 @@ def test_batch_links_retries_fallback_and_dead(redis_url: str, queue_name: str,
     assert sorted(batch.links) == sorted((a[0].trace_id, a[0].span_id) for v, a in attempts.items()
                                          if v != "late")
     assert "cannot process 'bad'" in batch.error
-    # each then ran alone: a fallback run after its failed part of the batch
+    # then in halves: a fallback run after its failed part of the batch ("x", "y" passed)
     x = attempts["x"][0]
     assert [s.name for s in spans.children(x)] == ["queue wait", "tokenize", "model run",
                                                   "tokenize", "fallback run", "commit"]
@@ -211,7 +213,7 @@ def test_off_imports_nothing_and_keeps_the_payload() -> None:
 
 
 def test_a_wrong_otel_setting_is_a_clear_error(redis_url: str) -> None:
-    done = run_cli("stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
+    done = run_cli("queue", "stats", redis_url=redis_url, OTEL_TRACES_EXPORTER="nosuch")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "OTEL_" in done.stderr and "nosuch" in done.stderr
 
@@ -270,21 +272,32 @@ def test_generation_time_to_first_token_and_tokens(redis_url: str, queue_name: s
 
 def test_a_request_its_producer_did_not_sample_costs_the_worker_no_span(
         redis_url: str, queue_name: str, receiver: Receiver) -> None:
+    """Beside it in the same worker run, a sampled request's spans reach the receiver: the
+    worker exports, only not for the unsampled one."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-    tracing.use_tracer_provider(TracerProvider(sampler=ALWAYS_OFF))
-    try:
-        with Client(redis_url, queue_name) as client:
-            handle = client.enqueue("a")
-            stored = client.queue.client.hget(client.queue.keys.requests, handle.id)
-            worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky",
-                                  "--burst", **receiver.env())
-            assert worker.wait(90) == 0
-            assert handle.result(timeout=30).ok
-    finally:
-        tracing.use_tracer_provider(None)
+    with Client(redis_url, queue_name) as client:
+        tracing.use_tracer_provider(TracerProvider(sampler=ALWAYS_OFF))
+        try:
+            unsampled = client.enqueue("a")
+        finally:
+            tracing.use_tracer_provider(None)
+        sampling = TracerProvider()
+        tracing.use_tracer_provider(sampling)
+        try:
+            sampled = client.enqueue("b")
+        finally:
+            tracing.use_tracer_provider(None)
+            sampling.shutdown()
+        stored = client.queue.client.hget(client.queue.keys.requests, unsampled.id)
+        worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:flaky",
+                              "--burst", **receiver.env())
+        assert worker.wait(90) == 0
+        assert unsampled.result(timeout=30).ok and sampled.result(timeout=30).ok
     flags = int(json.loads(stored)["trace"].rsplit("-", 1)[1], 16)
     assert not flags & 1  # the decision travels with it: not sampled
-    assert receiver.spans == []
+    processed = {s.attributes.get("messaging.message.id") for s in receiver.spans
+                 if s.name == f"process {queue_name}"}
+    assert processed == {sampled.id}
 
 
 def test_async_client_enqueues_inside_the_callers_trace(redis_url: str, queue_name: str,

@@ -10,6 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import REGISTRY
+
 from batchery import Client
 from batchery.connection import RedisSettings
 from batchery.producer import tokens
@@ -100,6 +102,8 @@ def test_a_worker_prices_estimated_requests_exactly_before_choosing_a_batch(
                WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_size=2)
                ).run(burst=True, handle_signals=False)
         assert {h.result(timeout=5).status for h in handles} == {"ok"}
+    # each of the three was counted once, by the first claim (its own queue's label)
+    assert REGISTRY.get_sample_value("batchery_repriced_total", {"queue": queue_name}) == 3
     claims = [inputs for kind, inputs in runner.calls[2:] if kind == "prepare"]
     # on the estimates the head (9) would pair with the two long words (12); on the
     # worker's exact counts it pairs with its equal (16 and 16)
@@ -191,7 +195,10 @@ def test_parallel_batches_share_one_model_and_stop_cleanly(redis_url: str, queue
             gate.touch()
             handles = client.enqueue_many([{"input": f"last {i}"} for i in range(6)])
             wait_for(lambda: len(list(marks.iterdir())) == 2, 30, message="two batches running")
-            assert client.queue.stats()["inflight"] == 6 and len(list(marks.iterdir())) == 2
+            # and the third claimed ahead (the claim follows the runs' start): 6 leases
+            wait_for(lambda: client.queue.stats()["inflight"] == 6, 30,
+                     message="a third batch claimed ahead")
+            assert len(list(marks.iterdir())) == 2  # held at the gate: still two running
             worker.send_signal(signal.SIGTERM)
             wait_for(lambda: "SIGTERM: finishing" in (tmp_path / "worker.log").read_text(), 20)
             gate.unlink()

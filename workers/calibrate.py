@@ -54,9 +54,13 @@ def pick_batch_size(runner: Any, max_batch_tokens: int, most: int = SIZES[-1]) -
             break
     for size in rates:  # a second pass, best of two: a busy neighbour slows one, not both
         rates[size] = max(rates[size], _rate(runner, [text] * size))
+    return smallest_within_tolerance(rates), rates
+
+
+def smallest_within_tolerance(rates: dict[int, float]) -> int:
+    """The smallest batch size whose requests/s is within TOLERANCE of the best."""
     best = max(rates.values())
-    chosen = min(s for s, r in rates.items() if r >= (1 - TOLERANCE) * best)
-    return chosen, rates
+    return min(s for s, r in rates.items() if r >= (1 - TOLERANCE) * best)
 
 
 def _flat(rates: list[float]) -> bool:

@@ -38,6 +38,7 @@ class Claimer(threading.Thread):
         self.batches: queue.Queue[tuple[Batch | None, bool]] = queue.Queue()
         self.slots = threading.Semaphore(options.prefetch)  # one per claim not yet running
         self._claims = 0
+        self._ahead: list[tuple[str, Any]] = []  # (id, input) the last claim priced ahead
         # the token of a claim whose reply never came back (its call failed): the next
         # claim goes out under it again, so the script hands back the batch the lost reply
         # held (lua/claim.lua remembers a token's batch) instead of it waiting out a lease
@@ -156,16 +157,21 @@ class Claimer(threading.Thread):
     def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int) -> ClaimReply:
         """Claim on exact counts: candidates a producer priced by estimate are counted
         with this runner's tokenizer and sent with the next claim (a few rounds at most: new
-        estimated requests can enter the lookahead between two calls)."""
+        estimated requests can enter the lookahead between two calls). A claim that leases
+        hands over the estimated requests next in line too (``price_ahead``): counted at
+        the next claim and sent with it, they need no pricing round of their own."""
         counts: list[tuple[str, int]] = []
+        ahead = self._count(self._ahead) if self._ahead and self.counts else []
+        self._ahead = []
         for round_ in range(PRICING_ROUNDS + 1):
             reply = self.queue.claim(token, max_size, max_tokens, max_wait_ms,
                                      self.options.claim_lookahead,
                                      price_estimates=self.counts and round_ < PRICING_ROUNDS,
-                                     counts=counts)
+                                     counts=counts, ahead=ahead)
             if not reply.to_price:
+                self._ahead = reply.price_ahead  # counted next time: this batch goes first
                 return reply
-            counts = self._count(reply.to_price)
+            counts, ahead = self._count(reply.to_price), []
         return reply
 
     def _count(self, candidates: list[tuple[str, Any]]) -> list[tuple[str, int]]:

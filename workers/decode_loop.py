@@ -417,7 +417,8 @@ class DecodeLoop:
         """Give a cancelled sequence's result the text generated so far, before its stream
         ends (the reader reads the result at the end)."""
         s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
-        output = {"text": s.text, "tokens": len(s.generated), "finish_reason": "cancelled"}
+        output = {"text": s.text, "tokens": len(s.generated),
+                      "prompt_tokens": len(s.prompt_ids), "finish_reason": "cancelled"}
         try:
             self.queue.attach_output(s.key.request.id, s.key.request.lease_token, output)
         except Exception as exc:  # the result stays the cancel's, without output

@@ -16,7 +16,7 @@ DEADLINE_ERROR = {"type": "DeadlineExceeded",
 def outcome(s: Sequence, runner: Any, batch_size: int) -> Outcome:
     """The result of a sequence that ended (its deadline passed: expired, with its text)."""
     output: dict[str, Any] = {"text": s.text, "tokens": len(s.generated),
-                              "finish_reason": s.finish_reason}
+                              "prompt_tokens": len(s.prompt_ids), "finish_reason": s.finish_reason}
     if s.params.logprobs is not None:
         output["logprobs"] = logprobs(s, runner)
     run_ms = round((time.perf_counter() - s.key.started) * 1000, 3)

@@ -204,7 +204,7 @@ def model_run(requests: Sequence[Any], prepared: Any, runner: Any) -> Iterator[N
                     "batchery.padded_tokens": prepared.padded,
                     "batchery.padding_efficiency": round(prepared.efficiency, 4),
                     "batchery.device": str(getattr(runner, "device", "") or "")})
-    runs = [entry.child("fallback run" if entry.fallback and size == 1 else "model run", start,
+    runs = [entry.child("fallback run" if entry.fallback else "model run", start,
                         links=[Link(batch.get_span_context())],
                         attributes={"batchery.attempt": r.attempt, "batchery.batch_size": size})
             for r, entry in traced]

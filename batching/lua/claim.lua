@@ -23,8 +23,12 @@
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
 --         counted again by their worker, and again if they come back for a retry).
--- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
---   with n = #ids; the first n_expired ids are past their deadline (leased so the
+-- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...,
+--   ahead_ids..., ahead_payloads..., n_ahead} when it leased something, with n = #ids
+--   and n_ahead = #ahead_ids: with ARGV[7] = 1, the estimated requests next in line
+--   (the next batch's candidates), handed to the worker to count while this batch runs
+--   and to send with its next claim, which then needs no pricing round (a round trip
+--   per batch saved). The first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
@@ -53,7 +57,7 @@ local now = now_ms()
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
 -- expired ones first; scheds: their entries when the caller holds them already.
-local function reply_for(wait, out_ids, n_expired, scheds)
+local function reply_for(wait, out_ids, n_expired, scheds, ahead)
   if #out_ids == 0 then return {now, wait, 0} end
   local reply = {now, wait, n_expired}
   for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
@@ -62,6 +66,13 @@ local function reply_for(wait, out_ids, n_expired, scheds)
                            rcall('HMGET', K.attempts, unpack(out_ids))}) do
     for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
   end
+  ahead = ahead or {}
+  for _, id in ipairs(ahead) do reply[#reply + 1] = id end
+  if #ahead > 0 then
+    local payloads = rcall('HMGET', K.requests, unpack(ahead))
+    for n = 1, #ahead do reply[#reply + 1] = payloads[n] end
+  end
+  reply[#reply + 1] = #ahead
   return reply
 end
 
@@ -279,4 +290,18 @@ add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
 rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
       'PX', lease_ms)
-return reply_for(wait, out_ids, #expired_ids, out_scheds)
+-- A counting worker's next batch, priced ahead: the estimated ones among the candidates
+-- its next claim will read (a batch's worth from the new head). A candidate taken by
+-- another worker in between costs nothing but its count's bytes; one still estimated
+-- when the next claim comes gets the pricing round as before.
+local ahead = {}
+if price_estimates then
+  local next_ids = pending_ids(0, window)
+  if #next_ids > 0 then
+    local next_scheds = rcall('HMGET', K.sched, unpack(next_ids))
+    for n, id in ipairs(next_ids) do
+      if next_scheds[n] and string.byte(next_scheds[n], 1) == 126 then ahead[#ahead + 1] = id end  -- '~'
+    end
+  end
+end
+return reply_for(wait, out_ids, #expired_ids, out_scheds, ahead)

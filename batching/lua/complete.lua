@@ -1,7 +1,8 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
 -- KEYS[6] settings  KEYS[7] stats  KEYS[8] history
--- KEYS[9..] the result key of each id, then the reply list of each client among them
+-- KEYS[9..] the result key of each id (in ARGV's order), then the reply list of each
+--         client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5..] groups of 4: id, lease token, result JSON, client whose reply list gets it
@@ -17,8 +18,17 @@ local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local n = (#ARGV - 4) / 4
 if n == 0 then return {} end
 
-local ids = {}
-for i = 1, n do ids[i] = ARGV[4 + (i - 1) * 4 + 1] end
+-- the result keys are KEYS[9..8+n] in ARGV's order (batching/calls.py declared_keys):
+-- taken as declared, not built and looked up again per request; the ends checked
+local ids, result_keys = {}, {}
+for i = 1, n do
+  ids[i] = ARGV[4 + (i - 1) * 4 + 1]
+  result_keys[i] = KEYS[8 + i]
+end
+if #KEYS < 8 + n or result_keys[1] ~= result_prefix .. ids[1]
+   or result_keys[n] ~= result_prefix .. ids[n] then
+  error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
+end
 local owners = rcall('HMGET', K.owner, unpack(ids))
 
 local done, flags, replies, replayed = {}, {}, {}, false
@@ -26,7 +36,7 @@ for i = 1, n do
   local base = 4 + (i - 1) * 4
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
-    rcall('SET', result_key(result_prefix, ids[i]), json, 'EX', ttl)
+    rcall('SET', result_keys[i], json, 'EX', ttl)
     local client = ARGV[base + 4]
     if client ~= '' then
       replies[client] = replies[client] or {}
@@ -34,7 +44,7 @@ for i = 1, n do
     end
     done[#done + 1] = ids[i]
     flags[i] = 1
-  elseif rcall('GET', result_key(result_prefix, ids[i])) == ARGV[base + 3] then
+  elseif rcall('GET', result_keys[i]) == ARGV[base + 3] then
     flags[i], replayed = 1, true
   else
     flags[i] = 0

@@ -50,8 +50,11 @@ def rq_queue(conn: redis.Redis, name: str = JOBS_QUEUE) -> Queue:
 def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None,
            queue: str = DEFAULT_QUEUE, priority: str | int = DEFAULT_PRIORITY,
            max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, retries: int = DEFAULT_RETRIES,
-           overwrite: bool = False, jobs_queue: str = JOBS_QUEUE) -> Job:
-    """Check the files, create the outputs, and enqueue the RQ job. Raises ConfigError."""
+           overwrite: bool = False, jobs_queue: str = JOBS_QUEUE, output_format: str = "batchery",
+           expires_at: float | None = None, meta: dict[str, Any] | None = None) -> Job:
+    """Check the files, create the outputs, and enqueue the RQ job. Raises ConfigError.
+    ``output_format`` "openai" writes OpenAI's batch output and error lines; ``expires_at``
+    (epoch seconds) is every request's deadline; ``meta`` joins the RQ job's meta."""
     check_queue_name(queue)
     if max_in_flight < 1:
         raise ConfigError(f"--max-in-flight must be at least 1, got {max_in_flight}")
@@ -78,12 +81,13 @@ def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None
     spec = JobSpec(input=str(source), output=str(out), errors=str(err), queue=queue,
                    priority=int(priority) if priority.isdigit() else priority,
                    max_in_flight=max_in_flight, input_size=stat.st_size,
-                   input_mtime_ns=stat.st_mtime_ns)
+                   input_mtime_ns=stat.st_mtime_ns, output_format=output_format,
+                   expires_at=expires_at)
     try:
         return rq_queue(conn, jobs_queue).enqueue_call(
             JOB_FUNC, kwargs=asdict(spec), job_id=secrets.token_hex(6), timeout=-1,
             result_ttl=RESULT_TTL_S, description=f"batchery: {source.name} -> {out.name} "
-            f"(queue {queue})", meta=Progress().meta(QUEUED),
+            f"(queue {queue})", meta={**(meta or {}), **Progress().meta(QUEUED)},
             retry=Retry(max=retries) if retries else None)
     except BaseException:
         for path in created:

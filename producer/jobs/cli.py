@@ -19,6 +19,7 @@ from batchery.cli_shared import (jobs_queue_option, json_option, print_json, que
 from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer.jobs import bookkeeping as jobs
+from batchery.producer.jobs.files import OPENAI
 from batchery.producer.jobs.worker import HEARTBEAT_S, JobsWorker, worker_command
 
 log = logging.getLogger(__name__)
@@ -48,24 +49,28 @@ def job_group() -> None:
               help="RQ re-runs a failed or abandoned job this often; each run resumes.")
 @click.option("--overwrite", is_flag=True, allow_from_autoenv=False,
               help="Replace existing output and errors files.")
+@click.option("--output-format", type=click.Choice(["batchery", OPENAI]), default="batchery",
+              show_default=True, help="openai: OpenAI's batch output lines (failed requests "
+              "and invalid lines in the errors file, in OpenAI's shape).")
 @jobs_queue_option
 @json_option
 @queue_option
 @redis_options
 def submit(input_path: str, output: str, errors: str | None, priority: str, max_in_flight: int,
-           retries: int, overwrite: bool, jobs_queue: str, as_json: bool, queue: str,
-           redis_url: str, cluster: bool) -> None:
+           retries: int, overwrite: bool, output_format: str, jobs_queue: str, as_json: bool,
+           queue: str, redis_url: str, cluster: bool) -> None:
     """Run a JSONL file of requests as an offline job; prints the job id.
 
     Each line is an object: custom_id (or id), input, and optionally priority,
-    deadline, tokens, meta. Results go to OUTPUT as lines complete; invalid lines go
+    deadline, tokens, meta; or an OpenAI batch line (custom_id, method, url, body), as
+    the OpenAI Batch API and `vllm run-batch` take it. Results go to OUTPUT as lines complete; invalid lines go
     to the errors file with their line number and reason.
     """
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
     conn = settings.binary_client()
     job = jobs.submit(conn, input_path, output, errors, queue=queue, priority=parse_priority(priority),
                       max_in_flight=max_in_flight, retries=retries, overwrite=overwrite,
-                      jobs_queue=jobs_queue)
+                      jobs_queue=jobs_queue, output_format=output_format)
     spec = jobs.spec_of(job)
     if as_json:
         print_json({"id": job.id, "queue": spec.queue, "input": spec.input,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from array import array
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -21,9 +22,11 @@ from batchery.batching.messages import (MAX_ID_LENGTH, Request, Result, check_na
                                         unknown_class)
 from batchery.batching.settings import QueueSettings
 from batchery.errors import InvalidRequest
+from batchery.producer import openai_api
 from batchery.producer.client import REQUEST_FIELDS, make_request
 
 ERRORS_SUFFIX = ".errors.jsonl"
+OPENAI = "openai"    # output format: OpenAI's batch output and error lines (else batchery's)
 ID_FIELDS = ("custom_id", "id")
 # A raw line may be longer than the request it holds (whitespace, \u escapes): up to this
 # many times the queue's max_request_bytes is read; longer lines are refused unread.
@@ -71,6 +74,7 @@ class Line:
     id_field: str            # the field the caller's id came in: custom_id or id
     custom_id: Any           # the caller's id as written (None: the line had none)
     request: Request         # its id carries the job's namespace
+    call: Any = None         # an OpenAI batch line's Call (producer/openai_api.py)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,9 @@ class LineParser:
     """Turns input lines into Lines (with namespaced request ids) or Invalids."""
 
     def __init__(self, job_id: str, priority: str | int, settings: QueueSettings,
-                 count: Callable[[Any], int | None]) -> None:
+                 count: Callable[[Any], int | None], expires_at: float | None = None) -> None:
         self.job_id, self.priority, self.settings, self.count = job_id, priority, settings, count
+        self.expires_at = expires_at  # epoch seconds: each request's deadline (a batch's window)
         self.max_id = MAX_ID_LENGTH - len(job_id) - 1
         self.seen = IdSet()
 
@@ -160,6 +165,13 @@ class LineParser:
         return obj
 
     def _request(self, number: int, obj: dict[str, Any], field: str, value: Any) -> Line | Invalid:
+        call = None
+        if openai_api.is_batch_line(obj):  # {custom_id, method, url, body}: as OpenAI takes it
+            try:
+                call = openai_api.batch_call({k: v for k, v in obj.items() if k != field})
+            except InvalidRequest as exc:
+                return Invalid(number, value, "invalid", str(exc))
+            obj = {field: value, "input": call.inputs[0]}
         unknown = set(obj) - {*ID_FIELDS, *REQUEST_FIELDS}
         if unknown:
             return Invalid(number, value, "invalid", f"unknown field(s) {sorted(unknown)}; allowed: "
@@ -171,6 +183,8 @@ class LineParser:
         fields["id"] = request_id
         if fields.get("priority") is None:  # absent or null: the job's priority
             fields["priority"] = self.priority
+        if self.expires_at is not None:
+            fields.setdefault("deadline", max(self.expires_at - time.time(), 0.001))
         try:
             request = make_request(fields, _no_new_ids, self.count)
             size = len(request.payload())
@@ -183,7 +197,7 @@ class LineParser:
             return Invalid(number, value, "too_large", f"input is {size} bytes, over the queue's "
                            f"max_request_bytes of {self.settings.max_request_bytes}; shorten it or "
                            "raise the limit with `batchery queue config QUEUE --max-request-bytes N`")
-        return Line(number, field, value, request)
+        return Line(number, field, value, request, call)
 
 
 def jsonl(record: dict[str, Any]) -> bytes:
@@ -279,12 +293,14 @@ def recover(output: Path, errors: Path) -> Written:
     for path, is_output in ((output, True), (errors, False)):
         for record in _complete_records(path):
             number = record.get("line")
-            if not isinstance(number, int) or number in written.lines:
+            if not isinstance(number, int):
+                number = openai_api.line_of_record(record)
+            if number is None or number in written.lines:
                 continue
             written.lines.add(number)
             if not is_output:
                 written.invalid += 1
-            elif record.get("status") == "ok":
+            elif record.get("status") == "ok" or openai_api.batch_ok(record):
                 written.ok += 1
             else:
                 written.failed += 1
@@ -320,7 +336,8 @@ def _append(path: Path) -> BinaryIO:
 class JobFiles:
     """The output and errors files of one run, open for appending, locked against a twin run."""
 
-    def __init__(self, output: Path, errors: Path) -> None:
+    def __init__(self, output: Path, errors: Path, output_format: str = "batchery") -> None:
+        self.openai = output_format == OPENAI
         self._out = _append(output)
         try:
             fcntl.flock(self._out, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -338,6 +355,11 @@ class JobFiles:
         self.close()
 
     def result(self, line: Line, result: Result) -> None:
+        if self.openai:  # ok lines to the output, the others to the errors file
+            ok, line_ = openai_api.batch_result_line(line.number, line.custom_id, line.call,
+                                                     result, line.request.tokens)
+            (self._out if ok else self._err).write(jsonl(line_))
+            return
         record: dict[str, Any] = {line.id_field: line.custom_id, "line": line.number,
                                   "status": result.status, "output": result.output}
         if result.error:
@@ -347,7 +369,9 @@ class JobFiles:
         self._out.write(jsonl(record))
 
     def invalid(self, line: Invalid) -> None:
-        self._err.write(jsonl(line.record()))
+        record = openai_api.batch_invalid_line(line.number, line.custom_id, line.reason) \
+            if self.openai else line.record()
+        self._err.write(jsonl(record))
 
     def flush(self) -> None:
         self._out.flush()

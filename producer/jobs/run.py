@@ -94,7 +94,7 @@ class JobRun:
         self.delete_written = settings.delete_delivered
         out, err = Path(self.spec.output), Path(self.spec.errors)
         try:
-            with JobFiles(out, err) as self.files:
+            with JobFiles(out, err, self.spec.output_format) as self.files:
                 written = recover(out, err)
                 self.progress = Progress(ok=written.ok, error=written.failed + written.invalid,
                                          invalid=written.invalid)
@@ -104,7 +104,7 @@ class JobRun:
                 self._publish(RUNNING)
                 self.queue.register()
                 parser = LineParser(self.job.id, self.spec.priority, settings,
-                                    QueueCounter(self.queue.settings))
+                                    QueueCounter(self.queue.settings), self.spec.expires_at)
                 phase = self._stream(parser, written.lines)
                 if phase == FINISHED:
                     self._publish(FINALIZING)

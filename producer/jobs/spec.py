@@ -30,10 +30,13 @@ class JobSpec:
     max_in_flight: int
     input_size: int          # the input as submitted: a changed file cannot resume safely
     input_mtime_ns: int
+    output_format: str = "batchery"   # or "openai": OpenAI's batch output and error lines
+    expires_at: float | None = None   # epoch seconds: every request's deadline (a batch's window)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "JobSpec":
-        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__})
+        """From the RQ kwargs; a job submitted by an older batchery lacks the later fields."""
+        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__ if k in kwargs})
 
 
 @dataclass

@@ -43,8 +43,24 @@ class GenerateRunner(HFRunner):
             raise InputError(f"max_new_tokens {params.max_new_tokens} leaves no room for the "
                              f"prompt in this model's context of {self.max_input_tokens} "
                              "tokens; ask for fewer new tokens")
-        ids = self._tokenizer(params.prompt, truncation=True, max_length=room)["input_ids"]
+        ids = self._tokenizer(self.prompt(params), truncation=True, max_length=room,
+                              add_special_tokens=not self._templated(params))["input_ids"]
         return Sequence(key, params, list(ids))
+
+    def prompt(self, params: GenParams) -> str:
+        """The text the model continues: the prompt, or the chat messages rendered by the
+        tokenizer's chat template (a plain "role: content" transcript when it has none)."""
+        if not params.messages:
+            return params.prompt
+        messages = [{"role": r, "content": c} for r, c in params.messages]
+        if self._templated(params):
+            return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True)
+        return "".join(f"{r}: {c}\n" for r, c in params.messages) + "assistant:"
+
+    def _templated(self, params: GenParams) -> bool:
+        """A chat rendered by the template, which writes its special tokens itself."""
+        return bool(params.messages) and bool(getattr(self._tokenizer, "chat_template", None))
 
     def new_batch(self) -> DecodeBatch:
         return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id)
@@ -69,7 +85,7 @@ class GenerateRunner(HFRunner):
 
     def prepare(self, inputs: list[Any]) -> Prepared:
         params = [parse_params(v) for v in inputs]
-        prompts, new_tokens = [p.prompt for p in params], [p.max_new_tokens for p in params]
+        prompts, new_tokens = [self.prompt(p) for p in params], [p.max_new_tokens for p in params]
         room = max(1, self.max_input_tokens - max(new_tokens))
         # no token_type_ids: a BERT-style tokenizer returns them, and GPT-2 would add them
         # to its inputs as token embeddings (of id 0), changing what it generates
@@ -83,7 +99,7 @@ class GenerateRunner(HFRunner):
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
         """Prompt (cut to the room its new tokens leave) plus its new tokens."""
         params = [_params_or_none(v) for v in inputs]
-        counts = count_texts(self._tokenizer, [p and p.prompt for p in params],
+        counts = count_texts(self._tokenizer, [p and self.prompt(p) for p in params],
                              self.max_input_tokens)
         return [None if c is None or p is None else
                 min(c, max(1, self.max_input_tokens - p.max_new_tokens)) + p.max_new_tokens

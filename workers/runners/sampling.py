@@ -1,9 +1,11 @@
 """Per-request generation parameters, and choosing the next token of every row at once.
 
-An input is a prompt string, or an object with ``prompt`` (or ``text``) and any of
-``max_new_tokens``, ``stop``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
-``logprobs`` and ``stream``. Greedy unless ``temperature`` > 0.
+An input is a prompt string, or an object with ``prompt`` (or ``text``, or chat
+``messages``: a list of ``{"role", "content"}`` that the runner renders with its
+tokenizer's chat template) and any of ``max_new_tokens``, ``stop``, ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``seed``, ``logprobs`` and ``stream``. Greedy unless
+``temperature`` > 0.
 
 Choosing (``choose``) is one set of tensor operations over the whole batch, on the
 model's device: each parameter is a per-row tensor, as in vLLM's sampler. Sampling
@@ -32,8 +34,8 @@ MIN_TEMPERATURE = 1e-4
 # in a peaked distribution, the least likely TAIL hold the 1 - top_p dropped in a flat one.
 HEAD, TAIL = 256, 4096
 MAX_LOGPROBS = 20        # alternatives per token a request may ask for (OpenAI's bound)
-FIELDS = ("prompt", "text", "max_new_tokens", "stop", "temperature", "top_p", "top_k", "min_p",
-          "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+FIELDS = ("prompt", "text", "messages", "max_new_tokens", "stop", "temperature", "top_p", "top_k",
+          "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
           "stream")
 
 
@@ -52,6 +54,7 @@ class GenParams:
     seed: int | None = None         # None: drawn from the shared generator
     logprobs: int | None = None     # None: none; N: each token's log-probability and N more
     stream: bool = False            # write each token to the request's Redis stream
+    messages: tuple[tuple[str, str], ...] = ()  # chat (role, content) pairs; prompt is then ""
 
     @property
     def greedy(self) -> bool:
@@ -78,10 +81,11 @@ def parse_params(value: Any) -> GenParams:
     unknown = sorted(set(map(str, value)) - set(FIELDS))
     if unknown:
         raise InputError(f"unknown generation field(s) {unknown}; allowed: {', '.join(FIELDS)}")
-    prompt = value.get("prompt", value.get("text"))
+    messages = _messages(value["messages"]) if "messages" in value else ()
+    prompt = "" if messages else value.get("prompt", value.get("text"))
     if not isinstance(prompt, str):
-        raise InputError("input must have a string 'prompt' (or 'text')")
-    return GenParams(prompt=prompt,
+        raise InputError("input must have a string 'prompt' (or 'text', or chat 'messages')")
+    return GenParams(prompt=prompt, messages=messages,
                      max_new_tokens=_int(value, "max_new_tokens", DEFAULT_NEW_TOKENS, 1, MAX_NEW_TOKENS),
                      stop=_stops(value.get("stop")),
                      temperature=_number(value, "temperature", 0.0, 0.0, 100.0),
@@ -95,6 +99,14 @@ def parse_params(value: Any) -> GenParams:
                      seed=_int(value, "seed", None, 0, 2**63 - 1),
                      logprobs=_logprobs(value.get("logprobs")),
                      stream=_bool(value, "stream"))
+
+
+def _messages(messages: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InputError('messages must be a non-empty list of {"role": str, "content": str}')
+    return tuple((m["role"], m["content"]) for m in messages)
 
 
 def _int(value: dict[str, Any], name: str, default: Any, low: int, high: int) -> Any:

@@ -1,0 +1,224 @@
+"""Gateway cost: the OpenAI API through `batchery serve` against the Python client straight
+to the same worker.
+
+One MiniLM embed worker and one generate worker (bench/generate.py's random GPT-2, ~10M
+parameters), all on default flags, one private redis-server, one `batchery serve`. Each
+row of the embeddings table sends single-input requests, N at a time, as fast as they come
+back: through the gateway (POST /v1/embeddings over keep-alive HTTP/1.1 connections, one
+per concurrent caller, from a minimal asyncio client so that the load generator costs
+little) or with AsyncClient.submit in this process. Then time to first token, one request
+at a time: /v1/completions with stream: true (the first data event with text) against
+AsyncHandle.stream() (the first text event).
+
+``python -m bench.gateway [--quick] [-n N]``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from batchery import AsyncClient, Client
+from bench import common
+from bench.generate import build_model, worker_args
+
+CONCURRENCY = (64, 1)
+ROUNDS = 3        # each row's requests in this many turns, alternating the two paths
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+COLUMNS = [("path", "path", ""), ("concurrency", "at once", "d"), ("requests", "requests", ",d"),
+           ("rps", "requests/s", ",.0f"), ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
+           ("gateway_us", "gateway CPU us/request", ".0f")]
+TTFT_COLUMNS = [("path", "path", ""), ("requests", "requests", "d"), ("p50_ms", "p50 ms", ".2f"),
+                ("p90_ms", "p90 ms", ".2f")]
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection: a request out, the status and body back."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> "Connection":
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = next(int(x.split(":", 1)[1]) for x in lines if x.lower().startswith("content-length:"))
+        return int(lines[0].split()[1]), await self.reader.readexactly(length)
+
+    async def first_event(self, path: str, body: bytes) -> float:
+        """Send a streaming request; seconds to the first data event with text, then
+        read the rest of the stream (chunked) to its end."""
+        started = time.perf_counter()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        await self.reader.readuntil(b"\r\n\r\n")
+        first = None
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                return first if first is not None else float("nan")
+            if first is None and b'"text":"' in data and b'"text":""' not in data:
+                first = time.perf_counter() - started
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def load(call: Callable[[int], Awaitable[None]], n: int, concurrency: int
+               ) -> tuple[float, list[float]]:
+    """``n`` calls, ``concurrency`` callers each making its share one after another:
+    (seconds, each call's latency)."""
+    latencies: list[float] = []
+
+    async def caller(k: int) -> None:
+        for _ in range(k, n, concurrency):
+            started = time.perf_counter()
+            await call(k)
+            latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(k) for k in range(concurrency)))
+    return time.perf_counter() - started, latencies
+
+
+def row(path: str, concurrency: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
+    return {"path": path, "concurrency": concurrency, "requests": len(latencies),
+            "rps": len(latencies) / seconds, "p50_ms": 1000 * common.percentile(latencies, 0.5),
+            "p99_ms": 1000 * common.percentile(latencies, 0.99)}
+
+
+async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) -> list[dict[str, Any]]:
+    body = json.dumps({"model": queue, "input": TEXT}).encode()
+    rows = []
+    async with AsyncClient(url, queue) as client:
+        await client.map([TEXT] * 200)  # warm: scripts loaded, the model's first batches run
+        for concurrency in CONCURRENCY:
+            count = n if concurrency > 1 else max(200, n // 20)
+            connections = [await Connection.open(port) for _ in range(concurrency)]
+
+            async def through_gateway(k: int) -> None:
+                status, _ = await connections[k].post("/v1/embeddings", body)
+                assert status == 200, status
+
+            async def direct(_k: int) -> None:
+                assert (await client.submit(TEXT, timeout=120)).ok
+
+            await load(through_gateway, min(count, 500), concurrency)  # warm the HTTP path
+            paths = (("gateway /v1/embeddings", through_gateway), ("AsyncClient.submit", direct))
+            spent = {p: [0.0, [], 0.0] for p, _ in paths}  # seconds, latencies, gateway CPU
+            for _ in range(ROUNDS):  # alternated, so that the machine's load drifts on both
+                for c in connections:
+                    c.close()
+                connections[:] = [await Connection.open(port) for _ in range(concurrency)]
+                for path, call in paths:
+                    common.log(f"embeddings: {path}, {count // ROUNDS:,} requests, "
+                               f"{concurrency} at a time ...")
+                    cpu = common.cpu_seconds(gateway_pid)
+                    seconds, latencies = await load(call, count // ROUNDS, concurrency)
+                    spent[path][0] += seconds
+                    spent[path][1] += latencies
+                    spent[path][2] += common.cpu_seconds(gateway_pid) - cpu
+            for path, call in paths:
+                seconds, latencies, cpu = spent[path]
+                rows.append(row(path, concurrency, seconds, latencies))
+                if call is through_gateway:  # the gateway process's CPU per request
+                    rows[-1]["gateway_us"] = 1e6 * cpu / len(latencies)
+            for c in connections:
+                c.close()
+    return rows
+
+
+async def first_tokens(url: str, port: int, queue: str, n: int) -> list[dict[str, Any]]:
+    ask = {"prompt": TEXT, "max_new_tokens": 16, "stream": True}
+    body = json.dumps({"model": queue, "prompt": TEXT, "max_tokens": 16, "stream": True}).encode()
+    gateway_s, direct_s = [], []
+    async with AsyncClient(url, queue) as client:
+        connection = await Connection.open(port)
+        for i in range(n + 5):  # the first 5 of each warm up
+            gateway_s.append(await connection.first_event("/v1/completions", body))
+            started = time.perf_counter()
+            handle = await client.enqueue(ask)
+            first = None
+            async for event in handle.stream(timeout=60):
+                if first is None and event.kind == "text" and event.text:
+                    first = time.perf_counter() - started
+            direct_s.append(first if first is not None else float("nan"))
+        connection.close()
+    return [{"path": path, "requests": n, "p50_ms": 1000 * common.percentile(s[5:], 0.5),
+             "p90_ms": 1000 * common.percentile(s[5:], 0.9)}
+            for path, s in (("gateway stream: true", gateway_s), ("AsyncHandle.stream()", direct_s))]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = common.parser(__doc__.splitlines()[0])
+    args.add_argument("-n", type=int, help="requests per embeddings row at concurrency 64 "
+                      "(default 6,000)")
+    args = args.parse_args(argv)
+    n = args.n or (1_500 if args.quick else 6_000)
+    port = common.free_port()
+    procs: list[subprocess.Popen] = []
+    with common.private_redis() as url, tempfile.TemporaryDirectory() as folder:
+        try:
+            model_dir = build_model(Path(folder))
+            procs.append(common.batchery_worker(url, "embed", "--task", "embed", "--model", "minilm"))
+            procs.append(common.batchery_worker(url, "generate", *worker_args(model_dir, common.free_port())))
+            with Client(url, "embed") as embed, Client(url, "generate") as generate:
+                common.wait_until(lambda: embed.queue.stats()["workers"] >= 1
+                                  and generate.queue.stats()["workers"] >= 1, 180, "the workers")
+            procs.append(common.start([sys.executable, "-m", "batchery", "serve", "--redis-url",
+                                       url, "--port", str(port)]))
+            common.wait_until(lambda: _ready(port), 60, "batchery serve")
+            common.freeze()
+            rows = asyncio.run(embeddings(url, port, "embed", n, procs[-1].pid))
+            ttft = asyncio.run(first_tokens(url, port, "generate", 20 if args.quick else 60))
+        finally:
+            common.stop(procs)
+    summary = _summary(rows, ttft)
+    text = common.table(rows, COLUMNS)
+    ttft_text = common.table(ttft, TTFT_COLUMNS)
+    print(f"\n## Gateway cost: single-input /v1/embeddings vs AsyncClient.submit, MiniLM, "
+          f"default flags ({common.machine()})\n\n{text}\n\n## Time to first token, one at a "
+          f"time (random GPT-2 ~10M parameters)\n\n{ttft_text}\n\n{summary['text']}\n")
+    common.save("gateway", {"machine": common.machine(), "rows": rows, "ttft": ttft, **summary})
+    return {"rows": rows, "ttft": ttft, "table": text, **summary}
+
+
+def _summary(rows: list[dict[str, Any]], ttft: list[dict[str, Any]]) -> dict[str, Any]:
+    at = {(r["path"].split()[0], r["concurrency"]): r for r in rows}
+    g64, d64, g1, d1 = (at[("gateway", 64)], at[("AsyncClient.submit", 64)],
+                        at[("gateway", 1)], at[("AsyncClient.submit", 1)])
+    out = {"throughput_ratio_64": g64["rps"] / d64["rps"],
+           "added_p50_ms_64": g64["p50_ms"] - d64["p50_ms"],
+           "added_p50_ms_1": g1["p50_ms"] - d1["p50_ms"],
+           "ttft_added_p50_ms": ttft[0]["p50_ms"] - ttft[1]["p50_ms"]}
+    out["gateway_us_64"] = g64["gateway_us"]
+    out["text"] = (f"At 64: gateway/direct throughput {out['throughput_ratio_64']:.2f}x, median "
+                   f"added {out['added_p50_ms_64']:+.2f} ms, gateway CPU "
+                   f"{out['gateway_us_64']:.0f} us/request; one at a time: median added "
+                   f"{out['added_p50_ms_1']:+.2f} ms; time to first token added "
+                   f"{out['ttft_added_p50_ms']:+.2f} ms (medians).")
+    return out
+
+
+def _ready(port: int) -> bool:
+    import urllib.request
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

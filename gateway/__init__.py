@@ -1,0 +1,1 @@
+"""batchery serve: an OpenAI-compatible HTTP gateway over batchery's queues."""

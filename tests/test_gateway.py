@@ -1,0 +1,240 @@
+"""`batchery serve` with the unmodified openai SDK: a real server process, real Redis, a
+MiniLM embed worker and a tiny random GPT-2 generate worker, each a real process."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import struct
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from batchery import Client
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
+from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def queues() -> dict[str, str]:
+    tag = uuid.uuid4().hex[:8]
+    return {"embed": f"g-embed-{tag}", "generate": f"g-gen-{tag}", "idle": f"g-idle-{tag}",
+            "jobs": f"g-jobs-{tag}"}
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_gpt2(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_server: RedisServer, queues: dict[str, str], gpt2: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    logs = tmp_path_factory.mktemp("gateway-logs")
+    url = redis_server.url
+    with Client(url, queues["idle"]) as idle:  # registered, with no worker: requests wait there
+        idle.queue.register()
+    embed = start_worker(url, queues["embed"], "--task", "embed", "--model", "minilm",
+                         "--max-wait-ms", "2", log=logs / "embed.log")
+    generate = start_worker(url, queues["generate"], "--task", "generate", "--model", str(gpt2),
+                            log=logs / "generate.log")
+    jobs = jobs_worker(url, queues["jobs"], logs / "jobs.log")
+    try:
+        with serve(url, logs, "--files-dir", str(logs / "files"), "--jobs-queue",
+                   queues["jobs"]) as served:
+            listed = lambda: {m.id: m for m in served.client().models.list()}  # noqa: E731
+            wait_for(lambda: all(getattr(listed().get(queues[t]), "task", None) == t
+                                 for t in ("embed", "generate")), 120, 0.5,
+                     message="both workers reporting to the gateway")
+            yield served
+    finally:
+        for proc in (embed, generate, jobs):
+            stop_process(proc)
+
+
+@pytest.fixture
+def sdk(gateway: Served) -> openai.OpenAI:
+    return gateway.client()
+
+
+def test_models_lists_the_queues_with_their_task_and_model(sdk, queues, gateway) -> None:
+    models = {m.id: m for m in sdk.models.list()}
+    assert models[queues["embed"]].task == "embed"
+    assert models[queues["embed"]].root == "minilm"
+    assert models[queues["generate"]].task == "generate"
+    assert models[queues["idle"]].task is None  # no worker reported yet
+    assert sdk.models.retrieve(queues["embed"]).id == queues["embed"]
+    assert gateway.get("/health")[0] == 200
+
+
+def test_embeddings_of_a_string_and_a_list_in_float_and_base64(sdk, queues, redis_server) -> None:
+    one = sdk.embeddings.create(model=queues["embed"], input="hello world")
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 384
+    assert abs(np.linalg.norm(one.data[0].embedding) - 1) < 1e-5
+    with Client(redis_server.url, queues["embed"]) as direct:
+        expected = direct.enqueue("hello world").result(timeout=60).output
+    assert np.allclose(one.data[0].embedding, expected, atol=1e-6)
+    many = sdk.embeddings.create(model=queues["embed"], input=["a cat", "hello world", "a dog"])
+    assert [d.index for d in many.data] == [0, 1, 2]
+    assert np.allclose(many.data[1].embedding, expected, atol=1e-6)
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(_minilm())))
+    counts = [len(tokenizer(t)["input_ids"]) for t in ("a cat", "hello world", "a dog")]
+    assert many.usage.prompt_tokens == many.usage.total_tokens == sum(counts)
+    # base64 as OpenAI sends it: little-endian float32 (the SDK's default ask, decoded by it)
+    raw = sdk.embeddings.with_raw_response.create(model=queues["embed"], input="hello world",
+                                                  encoding_format="base64").http_response.json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert np.allclose(struct.unpack(f"<{len(packed) // 4}f", packed), expected, atol=1e-6)
+
+
+def _minilm() -> str:
+    from batchery.workers.runners.hf import resolve_model
+    return resolve_model("minilm")
+
+
+def test_completions_count_tokens_exactly_and_match_the_python_client(sdk, queues, gpt2,
+                                                                      redis_server) -> None:
+    prompt = "the quick brown fox"
+    done = sdk.completions.create(model=queues["generate"], prompt=prompt, max_tokens=7)
+    choice = done.choices[0]
+    assert done.object == "text_completion" and choice.finish_reason == "length"
+    prompt_tokens = len(AutoTokenizer.from_pretrained(str(gpt2))(prompt)["input_ids"])
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 7)
+    with Client(redis_server.url, queues["generate"]) as direct:
+        expected = direct.enqueue({"prompt": prompt, "max_new_tokens": 7}).result(timeout=60)
+    assert choice.text == expected.output["text"]
+    default = sdk.completions.create(model=queues["generate"], prompt=prompt)
+    assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
+    stopped = sdk.completions.create(model=queues["generate"], prompt=prompt, max_tokens=7,
+                                     stop=[choice.text[3:6]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == choice.text[:choice.text.find(choice.text[3:6])]
+
+
+def test_streamed_completion_and_chat_match_the_whole_answer(sdk, queues) -> None:
+    model, messages = queues["generate"], [{"role": "user", "content": "say something"}]
+    whole = sdk.chat.completions.create(model=model, messages=messages, max_tokens=12)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    streamed = list(sdk.completions.create(model=model, prompt="once upon", max_tokens=9,
+                                           stream=True))
+    plain = sdk.completions.create(model=model, prompt="once upon", max_tokens=9)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_with_a_seed_are_reproducible(sdk, queues) -> None:
+    ask: dict[str, Any] = dict(model=queues["generate"], messages=[{"role": "user", "content": "hi"}],
+                               max_completion_tokens=6, n=3, temperature=1.5, seed=7)
+    first, again = sdk.chat.completions.create(**ask), sdk.chat.completions.create(**ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1  # each choice its own draw
+    assert first.usage.completion_tokens == 18
+    assert first.usage.prompt_tokens == sdk.chat.completions.create(
+        **{**ask, "n": 1}).usage.prompt_tokens  # the prompt counted once
+    streamed = ["", "", ""]
+    for c in sdk.chat.completions.create(**ask, stream=True):
+        streamed[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert streamed == texts
+
+
+def test_errors_have_openai_s_shape_and_status(sdk, queues) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.embeddings.create(model="no-such-queue", input="x")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model=queues["generate"], prompt="x", temperature=9)
+    assert bad.value.body["param"] == "temperature" and "0.0..2.0" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as wrong_task:
+        sdk.embeddings.create(model=queues["generate"], input="x")
+    assert "generate queue" in wrong_task.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as tools:
+        sdk.chat.completions.create(model=queues["generate"], messages=[{"role": "user", "content": "x"}],
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    assert tools.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as too_long:  # the worker's refusal, as a 400
+        sdk.completions.create(model=queues["generate"], prompt="x", max_tokens=5000)
+    assert "max_tokens" in too_long.value.body["message"]
+
+
+def test_a_full_queue_answers_429_with_retry_after(sdk, queues, redis_server) -> None:
+    full = queues["idle"] + "-full"
+    assert run_cli("queue", "config", full, "--max-pending", "1",
+                   redis_url=redis_server.url).returncode == 0
+    with Client(redis_server.url, full) as direct:
+        waiting = direct.enqueue("fills the queue")
+        try:
+            with pytest.raises(openai.RateLimitError) as refused:
+                sdk.embeddings.create(model=full, input="x")
+            assert refused.value.response.headers["retry-after"] == "1"
+            assert refused.value.body["code"] == "queue_full"
+        finally:
+            waiting.cancel()
+
+
+def test_a_deadline_passed_answers_504(sdk, queues) -> None:
+    with pytest.raises(openai.InternalServerError) as late:
+        sdk.embeddings.create(model=queues["idle"], input="x",
+                              extra_headers={"X-Batchery-Deadline": "0.5"})
+    assert late.value.status_code == 504 and late.value.body["code"] == "deadline_exceeded"
+
+
+def test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels(gateway, queues,
+                                                                     redis_server) -> None:
+    with Client(redis_server.url, queues["idle"]) as direct:
+        for ask, expected in (({"service_tier": "flex"}, "batch"),
+                              ({"service_tier": "priority"}, "realtime"),
+                              ({"extra_headers": {"X-Batchery-Priority": "realtime"},
+                                "service_tier": "flex"}, "realtime"), ({}, "normal")):
+            impatient = gateway.client(timeout=3)
+            call = threading.Thread(target=_swallow, args=(lambda: impatient.chat.completions.create(
+                model=queues["idle"], messages=[{"role": "user", "content": "waits"}], **ask),))
+            call.start()
+            wait_for(lambda: direct.queue.stats()["pending_by_priority"] == {expected: 1}, 10,
+                     message=f"one {expected} request pending")
+            call.join(30)  # the SDK gave up: the gateway cancels its request
+            wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
+                     message="the disconnected caller's request cancelled")
+
+
+def test_a_stream_whose_client_goes_away_is_cancelled(gateway, queues, redis_server) -> None:
+    body = json.dumps({"model": queues["idle"], "prompt": "waits", "stream": True})
+    with Client(redis_server.url, queues["idle"]) as direct:
+        connection = http.client.HTTPConnection(gateway.url.removeprefix("http://"), timeout=30)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200  # the stream began: headers sent
+        wait_for(lambda: direct.queue.stats()["pending"] == 1, 10, message="the request queued")
+        connection.close()
+        wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
+                 message="the streamed request cancelled once its client left")
+
+
+def _swallow(action: Any) -> None:
+    try:
+        action()
+    except openai.APITimeoutError:
+        pass
+
+
+def test_no_keys_means_loopback_only(redis_server) -> None:
+    refused = run_cli("serve", "--host", "0.0.0.0", "--port", "1", redis_url=redis_server.url)
+    assert refused.returncode == 2
+    assert "without API keys" in refused.stderr and "Traceback" not in refused.stderr
