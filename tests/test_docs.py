@@ -108,7 +108,7 @@ def page_script(page_blocks: list[Block], substitutions: dict[str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def docs_redis() -> Iterator[RedisServer]:
-    server = RedisServer()
+    server = RedisServer("--databases", str(DATABASES))
     yield server
     server.close()
 
@@ -177,6 +177,7 @@ EXAMPLE_PAGES = [p for p in PAGES if runnable(p)]
 # Pages run two at a time (each in a Redis database of its own): most of a page's time is
 # processes starting (torch, a model, a tokenizer), which overlap well.
 PARALLEL_PAGES = 2
+DATABASES = 64  # one per page that runs examples
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def page_runs(request: pytest.FixtureRequest, docs_redis: RedisServer,
     selected = {item.callspec.params["page"] for item in request.session.items
                 if item.originalname == "test_page_examples_run"}
     pages = [p for p in EXAMPLE_PAGES if p in selected]
-    assert len(pages) < 16, "one Redis database per page: 16 at most"
+    assert len(pages) < DATABASES, f"one Redis database per page: {DATABASES} at most"
 
     def run(db: int, page: Path) -> subprocess.CompletedProcess:
         redis.Redis(port=docs_redis.port, db=db).flushdb()
