@@ -105,7 +105,7 @@ class QueueInspection:
             chunk = ids[start:start + CHUNK]
             revived += int(self.scripts.revive(
                 [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
-                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+                 k.fair, k.fair_tenants, k.vtc, *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
         return revived
 
     def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
@@ -137,7 +137,8 @@ class QueueInspection:
         pipe.hget(k.settings, "paused")
         pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
         return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
-                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
+                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items())
+                                        if int(n) and ":" not in c},
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
                 "workers": self.live_workers() if workers else 0,
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}

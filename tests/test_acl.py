@@ -19,18 +19,18 @@ PRODUCER_ACL = (
     "on >producer-secret resetchannels "
     "+ping +evalsha +script|load +info +time "
     "+get +mget +exists +del +sadd +blpop +lpop +rpush +ltrim +expire +set "
-    "+hget +hmget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard +zscore "
+    "+hget +hmget +hgetall +hexists +hset +hdel +hincrby +zadd +zrem +zcard +zscore +zrange "
     "~batchery:queues ~batchery:{*}:pending ~batchery:{*}:delayed ~batchery:{*}:leased "
     "~batchery:{*}:dead "
     "~batchery:{*}:owner ~batchery:{*}:requests ~batchery:{*}:sched ~batchery:{*}:attempts "
     "~batchery:{*}:history ~batchery:{*}:depth ~batchery:{*}:stats ~batchery:{*}:wake "
     "~batchery:{*}:result:* ~batchery:{*}:reply:* ~batchery:{*}:settings ~batchery:{*}:call:* "
-    "~batchery:{*}:cancelled:*")
+    "~batchery:{*}:cancelled:* ~batchery:{*}:fair ~batchery:{*}:fair_tenants ~batchery:{*}:vtc")
 WORKER_ACL = (
     "on >worker-secret resetchannels "
     "+ping +evalsha +script|load +time "
     "+get +set +sadd +blpop +rpush +expire +hget +hmget +hgetall +hexists +hset +hdel "
-    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore +zcount "
+    "+hincrby +zadd +zrem +zrange +zrangebyscore +zremrangebyscore +zcount +zscore "
     "~batchery:*")
 
 

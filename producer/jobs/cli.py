@@ -42,6 +42,8 @@ def job_group() -> None:
 @click.option("--errors", help="Where invalid lines go [default: OUTPUT with .errors.jsonl].")
 @click.option("--priority", "-p", default=jobs.DEFAULT_PRIORITY, show_default=True,
               help="For lines that name none: realtime, normal, batch, or a delay in seconds.")
+@click.option("--tenant", help="Whose fair share of the queue's class the lines that name "
+              "no tenant are served from [default: the job's own id].")
 @click.option("--max-in-flight", type=int, default=jobs.DEFAULT_MAX_IN_FLIGHT, show_default=True,
               help="Lines queued at once.")
 @click.option("--retries", type=int, default=jobs.DEFAULT_RETRIES, show_default=True,
@@ -52,20 +54,21 @@ def job_group() -> None:
 @json_option
 @queue_option
 @redis_options
-def submit(input_path: str, output: str, errors: str | None, priority: str, max_in_flight: int,
+def submit(input_path: str, output: str, errors: str | None, priority: str,
+           tenant: str | None, max_in_flight: int,
            retries: int, overwrite: bool, jobs_queue: str, as_json: bool, queue: str,
            redis_url: str, cluster: bool) -> None:
     """Run a JSONL file of requests as an offline job; prints the job id.
 
     Each line is an object: custom_id (or id), input, and optionally priority,
-    deadline, tokens, meta. Results go to OUTPUT as lines complete; invalid lines go
+    deadline, tokens, meta, tenant. Results go to OUTPUT as lines complete; invalid lines go
     to the errors file with their line number and reason.
     """
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
     conn = settings.binary_client()
     job = jobs.submit(conn, input_path, output, errors, queue=queue, priority=parse_priority(priority),
                       max_in_flight=max_in_flight, retries=retries, overwrite=overwrite,
-                      jobs_queue=jobs_queue)
+                      jobs_queue=jobs_queue, tenant=tenant)
     spec = jobs.spec_of(job)
     if as_json:
         print_json({"id": job.id, "queue": spec.queue, "input": spec.input,

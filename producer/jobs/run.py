@@ -104,7 +104,7 @@ class JobRun:
                 self._publish(RUNNING)
                 self.queue.register()
                 parser = LineParser(self.job.id, self.spec.priority, settings,
-                                    QueueCounter(self.queue.settings))
+                                    QueueCounter(self.queue.settings), self.spec.tenant)
                 phase = self._stream(parser, written.lines)
                 if phase == FINISHED:
                     self._publish(FINALIZING)

@@ -30,10 +30,12 @@ class JobSpec:
     max_in_flight: int
     input_size: int          # the input as submitted: a changed file cannot resume safely
     input_mtime_ns: int
+    tenant: str | None = None  # for lines that name none; None: the job's own id
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "JobSpec":
-        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__})
+        """The spec; a field with a default may be absent (a job submitted before it)."""
+        return cls(**{k: kwargs[k] for k in cls.__dataclass_fields__ if k in kwargs})
 
 
 @dataclass
