@@ -188,6 +188,20 @@ def _print_stats(client: Any, only: str | None, as_json: bool) -> None:
         by = " ".join(f"{c}={n}" for c, n in s["pending_by_priority"].items()) or "-"
         click.echo(f"{name:<20} {s['pending']:>9} {s['inflight']:>9} {s['dead']:>6} "
                    f"{s['workers']:>8} {s['shards']:>6}  {by}{'  (paused)' if s['paused'] else ''}")
+    for name, s in queues.items():
+        _print_tenants(name, s["tenants"], s["tenants_other"])
+
+
+def _print_tenants(queue: str, tenants: dict[str, dict[str, int]], other: dict[str, int]) -> None:
+    """The tenants of a queue, most loaded first, then the rest as one line."""
+    if not tenants:
+        return
+    click.echo(f"\n{'tenant of ' + queue:<40} {'pending':>9} {'served tokens':>14}")
+    for tenant, load in tenants.items():
+        click.echo(f"{tenant[:40]:<40} {load['pending']:>9} {load['served_tokens']:>14}")
+    if other["tenants"]:
+        click.echo(f"{'(' + str(other['tenants']) + ' other tenants)':<40} {other['pending']:>9} "
+                   f"{other['served_tokens']:>14}")
 
 
 # -- dead letters -------------------------------------------------------------------------

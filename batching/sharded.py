@@ -23,7 +23,7 @@ import redis
 
 from batchery.batching.keys import shard_of, shard_tags
 from batchery.batching.messages import Request, Result
-from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results
+from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results, merge_loads, top_tenants
 from batchery.batching.queue import Reaped, RequestQueue
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
@@ -409,6 +409,9 @@ class ShardedQueue(ShardClaims):
             for group in ("pending_by_priority", "totals"):
                 for k, v in s[group].items():
                     merged[group][k] = merged[group].get(k, 0) + v
+        if self.n > 1:
+            merged["tenants"], merged["tenants_other"] = top_tenants(
+                merge_loads(*(q.tenant_loads() for q in self.shards)))
         merged["pending_by_priority"] = dict(sorted(merged["pending_by_priority"].items()))
         merged["totals"] = dict(sorted(merged["totals"].items()))
         return {**merged, "shards": self.n}

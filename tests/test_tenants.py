@@ -128,3 +128,35 @@ def test_bad_tenant_settings_are_refused_with_the_reason(redis_url: str, queue_n
         done = run_cli("queue", "config", queue_name, *args, redis_url=redis_url)
         assert done.returncode != 0 and words in done.stderr and "Traceback" not in done.stderr, \
             (args, done.stderr)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_queue_stats_shows_the_most_loaded_tenants_and_sums_the_rest(
+        redis_url: str, queue_name: str, shards: int) -> None:
+    if shards > 1:
+        assert run_cli("queue", "config", queue_name, "--shards", str(shards),
+                       redis_url=redis_url).returncode == 0
+    with Client(redis_url, queue_name) as client:
+        for t in range(13):  # tenant t holds t + 1 requests of 5 tokens
+            client.enqueue_many([{"input": "x", "tokens": 5, "tenant": f"team-{t:02d}"}
+                                 for _ in range(t + 1)], reply=False)
+        claimed = client.queue.claim("w#stats", 20, 10**9, 0, 4096)
+    served = {}
+    for r in claimed.batch:
+        served[r.tenant] = served.get(r.tenant, 0) + r.tokens
+    done = run_cli("queue", "stats", "--queue", queue_name, "--json", redis_url=redis_url)
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)["queues"][queue_name]
+    pending = {f"team-{t:02d}": t + 1 for t in range(13)}
+    for r in claimed.batch:
+        pending[r.tenant] -= 1
+    shown = stats["tenants"]
+    assert len(shown) == 10 and stats["tenants_other"]["tenants"] == 3
+    assert list(shown) == sorted(pending, key=lambda t: (-pending[t], -served.get(t, 0), t))[:10]
+    assert {t: v["pending"] for t, v in shown.items()} == {t: pending[t] for t in shown}
+    assert sum(v["served_tokens"] for v in shown.values()) + \
+        stats["tenants_other"]["served_tokens"] == sum(served.values()) > 0
+    assert sum(v["pending"] for v in shown.values()) + stats["tenants_other"]["pending"] == \
+        stats["pending"]
+    text = run_cli("queue", "stats", "--queue", queue_name, redis_url=redis_url).stdout
+    assert "team-12" in text and "(3 other tenants)" in text
