@@ -65,6 +65,9 @@ def _change(*decls: str, **kwargs: Any) -> Any:
          "sharded queue: ceil(N / shards) per shard).")
 @_change("--class-delay", multiple=True, callback=_class_delays, metavar="CLASS=SECONDS",
          help="Seconds added to a class's enqueue time (repeatable).")
+@_change("--fair-share/--no-fair-share", default=None, help="Share each class's served "
+         "tokens between its backlogged tenants by weight (the default), or serve it by age "
+         "alone.")
 @_change("--tenant-weight", multiple=True, callback=_tenant_values(float, "team-a=2"),
          metavar="TENANT=W", help="A tenant's weight in the fair share of its class "
          "(repeatable; default 1): backlogged tenants are served tokens in proportion.")

@@ -58,7 +58,10 @@ class QueueSettings:
     # scripts' keys: one Redis Cluster node's core no longer caps the queue. 1: one slot.
     # Stored in every shard's settings hash; max_pending holds per shard (ceil of 1/N).
     shards: int = 1
-    # Fair share within a class (docs/fair-share.md): a tenant's weight; its share of the
+    # Share each class's served tokens between its backlogged tenants by weight
+    # (docs/fair-share.md); off, a class is served by age alone (counters still kept).
+    fair_share: bool = True
+    # Fair share within a class: a tenant's weight; its share of the
     # class's served tokens is its weight over the backlogged tenants' total. Absent: 1.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # Most requests one tenant may hold queued (on a sharded queue, ceil(N / shards) per

@@ -234,7 +234,7 @@ local function global_ids(offset, count)
   end
   return rcall('ZRANGE', K.pending, offset, offset + count - 1)
 end
-local fair = fair_reader(global_ids(0, 1)[1])
+local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(global_ids(0, 1)[1]) or nil
 -- the next `count` candidates (read in turn: `offset` is where the last read ended)
 local function pending_ids(offset, count)
   if fair then return fair.read(count) end
