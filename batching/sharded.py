@@ -389,6 +389,10 @@ class ShardedQueue(ShardClaims):
                 total[c] = total.get(c, 0) + n
         return total
 
+    def top_tenants(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """The most loaded tenants over every shard, and the rest summed (top_tenants)."""
+        return top_tenants(merge_loads(*(q.tenant_loads() for q in self.shards)))
+
     def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
         now, looked, oldest = 0, 0, {}
         for q in self.shards:
@@ -410,8 +414,7 @@ class ShardedQueue(ShardClaims):
                 for k, v in s[group].items():
                     merged[group][k] = merged[group].get(k, 0) + v
         if self.n > 1:
-            merged["tenants"], merged["tenants_other"] = top_tenants(
-                merge_loads(*(q.tenant_loads() for q in self.shards)))
+            merged["tenants"], merged["tenants_other"] = self.top_tenants()
         merged["pending_by_priority"] = dict(sorted(merged["pending_by_priority"].items()))
         merged["totals"] = dict(sorted(merged["totals"].items()))
         return {**merged, "shards": self.n}
