@@ -19,11 +19,16 @@ from batchery.cli_shared import (jobs_queue_option, json_option, print_json, que
 from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer.jobs import bookkeeping as jobs
+from batchery.producer.jobs.pool import run_pool
 from batchery.producer.jobs.worker import HEARTBEAT_S, JobsWorker, worker_command
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
 RESTART_CAP_S = 10.0
+# Jobs one `batchery job worker` runs side by side: two jobs submitted together both feed
+# the queue (and share it by tenant, docs/fair-share.md); each is a light process.
+DEFAULT_JOBS = 4
+MAX_JOBS = 64
 TERMINAL = (jobs.FINISHED, jobs.FAILED, jobs.CANCELLED)
 
 
@@ -243,16 +248,26 @@ def cancel(job_id: str, as_json: bool, redis_url: str, cluster: bool) -> None:
               help="A running job's heartbeat; a job silent for 3 beats (its worker died) "
                    "is re-run by RQ, resuming.")
 @click.option("--burst", is_flag=True, help="Run the queued jobs, then exit.")
-@click.option("--name", help="Worker name (default: random).")
+@click.option("--name", help="Worker name (default: random; with --jobs N, NAME-1..NAME-N).")
+@click.option("--jobs", "n_jobs", type=int, default=DEFAULT_JOBS, show_default=True,
+              help="Offline jobs run side by side, each by its own RQ worker process (one "
+              "RQ worker runs one job at a time): jobs submitted together all feed the queue.")
 @jobs_queue_option
 @redis_options
-def jobs_worker(heartbeat: int, burst: bool, name: str | None, jobs_queue: str, redis_url: str,
-                cluster: bool) -> None:
-    """Run offline jobs (an RQ worker on the jobs queue, JSON serializer)."""
+def jobs_worker(heartbeat: int, burst: bool, name: str | None, n_jobs: int, jobs_queue: str,
+                redis_url: str, cluster: bool) -> None:
+    """Run offline jobs (RQ workers on the jobs queue, JSON serializer)."""
     from rq.serializers import JSONSerializer
     if heartbeat < 1:
         raise ConfigError(f"--heartbeat must be at least 1 second, got {heartbeat}")
+    if not 1 <= n_jobs <= MAX_JOBS:
+        raise ConfigError(f"--jobs must be 1..{MAX_JOBS}, got {n_jobs}")
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
+    if n_jobs > 1:
+        common = ["--heartbeat", str(heartbeat), "--jobs-queue", jobs_queue,
+                  *(["--burst"] if burst else []), *(["--cluster"] if cluster else [])]
+        raise SystemExit(run_pool([common + (["--name", f"{name}-{i}"] if name else [])
+                                   for i in range(1, n_jobs + 1)], settings.resolved_url()))
     click.echo(f"jobs worker on RQ queue {jobs_queue!r}, redis {settings.describe()}", err=True)
     backoff = 0.5
     while True:  # like `batchery worker`: Redis away is a pause, not an exit
