@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rq import Worker
+
 from batchery import Client
 from batchery.connection import RedisSettings
 from batchery.producer.jobs import bookkeeping as jobs
+from batchery.producer.jobs.cli import DEFAULT_JOBS
 from bench import common
 
 RUNNER = ("--runner", "bench.runners:padded_cost")  # and the worker's default flags
@@ -67,6 +70,8 @@ def jobs_run(url: str, folder: Path, label: str, big: int, small: int, fair: boo
         with Client(url, queue) as client:
             client.queue.update_settings(fair_share=bool(fair))
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
+            rq = jobs.rq_queue(conn, queue)  # every jobs worker ready: B's time is the queue's
+            common.wait_until(lambda: len(Worker.all(queue=rq)) >= DEFAULT_JOBS, 60, "jobs workers")
             a = None
             if fair is not None:
                 a = jobs.submit(conn, str(write_job(folder / f"a-{label}.jsonl", big, 1)),
@@ -152,7 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = 60.0 if args.quick else 90.0
     with common.private_redis() as url, tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        common.log("fair share: job B alone ...")
         runs: dict[Any, list[dict[str, Any]]] = {None: [], False: [], True: []}
         for n in range(args.repeat):  # interleaved; each scenario's best run is kept
             for fair in runs:

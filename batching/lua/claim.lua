@@ -220,7 +220,7 @@ local function fair_settle(taken, stale, counts)
   end
   for _, t in pairs(touched) do
     local weight = tonumber(rcall('HGET', K.settings, 'tenant_weight:' .. t.tenant) or '1') or 1
-    fair_charge(K, t.class, t.tenant, t.tokens, weight)
+    fair_charge(K, t.class, t.tenant, t.tokens, weight > 0 and weight or 1)  -- (checked: > 0)
   end
   for tenant, tokens in pairs(served) do
     if tokens > 0 then rcall('HINCRBY', K.served, tenant, tokens) end
