@@ -142,8 +142,10 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
         n = (len(reply) - 3) // 2
         return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
                                                for i, p in zip(reply[3:3 + n], reply[3 + n:])])
-    n = (len(reply) - 3) // 4
-    ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]
-    scheds, failures = reply[3 + 2 * n:3 + 3 * n], reply[3 + 3 * n:3 + 4 * n]
-    claimed = [Claimed.decode(i, p, s, f, token) for i, p, s, f in zip(ids, payloads, scheds, failures)]
+    head = int(reply[3]) if len(reply) > 3 else 0
+    n = (len(reply) - 4) // 4
+    ids, payloads = reply[4:4 + n], reply[4 + n:4 + 2 * n]
+    scheds, failures = reply[4 + 2 * n:4 + 3 * n], reply[4 + 3 * n:4 + 4 * n]
+    claimed = [Claimed.decode(i, p, s, f, token, head)
+               for i, p, s, f in zip(ids, payloads, scheds, failures)]
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:])

@@ -278,10 +278,14 @@ class Claimed:
     client: str = ""     # the client that enqueued it, whose reply list gets its result
     trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
     tenant: str = DEFAULT_TENANT  # whose fair share it was served from
+    # the rank of the most urgent pending request when its batch was chosen (0: unknown):
+    # only a request ranked before it is more urgent than the batch (fair share may serve
+    # a tenant's later requests before another's earlier ones, on purpose)
+    chosen_against: int = 0
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str | None, failures: str | None,
-               token: str) -> "Claimed":
+               token: str, chosen_against: int = 0) -> "Claimed":
         """The claimed request, or, whatever is wrong with what Redis holds for it (its
         stored JSON, its schedule entry, its attempt count), one marked ``invalid`` with
         the reason: never an exception, so the claim's other requests and every lease it
@@ -298,7 +302,8 @@ class Claimed:
                 "expire_ms": int(expire), "priority": priority,
                 "attempt": int(failures or 0) + 1, "lease_token": token, "invalid": invalid,
                 "rank": int(rank), "client": client, "trace": body.get("trace"),
-                "tenant": tenant[0] if tenant and tenant[0] else DEFAULT_TENANT})
+                "tenant": tenant[0] if tenant and tenant[0] else DEFAULT_TENANT,
+                "chosen_against": chosen_against})
         except Exception as exc:  # the boundary: anything one request holds fails it alone
             return cls(id=id, input=None, meta=None, tokens=1, enqueued_ms=0, expire_ms=0,
                        priority="normal", attempt=_attempt(failures), lease_token=token,

@@ -13,6 +13,7 @@ import redis
 
 from batchery.batching.messages import Request, Result
 from batchery.batching.queue import RequestQueue
+from tests.conftest import wait_for
 
 MAX_SIZE, BUDGET = 8, 64  # a claim's max_batch_size and max_batch_tokens (padded)
 TOKENS = itertools.count()  # a claim token names one claim: each claim gets its own
@@ -130,3 +131,23 @@ def test_sub_queues_follow_pending_through_cancel_release_retry_and_reap(
     assert queue.depth() == {"normal": 0}
     served = queue.client.hgetall(queue.keys.served)
     assert set(served) == {"a", "b"} and all(int(v) > 0 for v in served.values())
+
+
+def test_a_fair_batch_is_overtaken_only_by_what_is_more_urgent_than_the_class(
+        queue: RequestQueue) -> None:
+    """A worker gives back a batch claimed ahead when a more urgent request is pending
+    (workers/claiming.py): a tenant's batch chosen over another's older requests of the
+    same class is not overtaken by those, only by a request ranked before them."""
+    enqueue(queue, "a", 20, 1)
+    a_enqueued = queue.head_rank() - 60_000  # its rank less the batch class's delay
+    wait_for(lambda: (lambda t: t[0] * 1000 + t[1] // 1000)(queue.client.time()) > a_enqueued,
+             5, 0.001, message="the Redis clock to move on")  # b ranks after a
+    enqueue(queue, "b", 20, 2)
+    first = queue.claim("w#a", 1, BUDGET, 0, 256).batch  # batches of one: one tenant each
+    second = queue.claim("w#b", 1, BUDGET, 0, 256).batch
+    assert {r.tenant for r in first} == {"a"} and {r.tenant for r in second} == {"b"}
+    against = min(r.chosen_against or r.rank for r in second)
+    assert queue.head_rank() < min(r.rank for r in second)  # a's older ones wait...
+    assert queue.head_rank() >= against                      # ...and do not overtake it
+    queue.enqueue([Request.validated(id="urgent", input="x", priority="realtime", tokens=1)])
+    assert queue.head_rank() < against

@@ -25,8 +25,9 @@
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
 --         counted again by their worker, and again if they come back for a retry).
--- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...}
---   with n = #ids; the first n_expired ids are past their deadline (leased so the
+-- Returns {now_ms, wait_ms, n_expired, head_rank, ids..., payloads..., scheds..., attempts...}
+--   with n = #ids; head_rank: the rank of the most urgent pending request when the batch
+--   was chosen (a request ranked before it later is more urgent than anything then); the first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
@@ -62,9 +63,9 @@ local now = now_ms()
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
 -- expired ones first; scheds: their entries when the caller holds them already.
-local function reply_for(wait, out_ids, n_expired, scheds)
+local function reply_for(wait, out_ids, n_expired, scheds, head_rank)
   if #out_ids == 0 then return {now, wait, 0} end
-  local reply = {now, wait, n_expired}
+  local reply = {now, wait, n_expired, head_rank or 0}
   for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
   for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
                            scheds or rcall('HMGET', K.sched, unpack(out_ids)),
@@ -94,7 +95,7 @@ local function write_counts(taken)
 end
 
 -- A remembered claim's reply: the ids of its batch still leased to this token.
-local function leased_reply(wait, expired_ids, batch_ids)
+local function leased_reply(wait, expired_ids, batch_ids, head_rank)
   local out_ids, n_expired = {}, 0
   for part, list in ipairs({expired_ids, batch_ids}) do
     for _, id in ipairs(list) do
@@ -104,13 +105,13 @@ local function leased_reply(wait, expired_ids, batch_ids)
       end
     end
   end
-  return reply_for(wait, out_ids, n_expired)
+  return reply_for(wait, out_ids, n_expired, nil, head_rank)
 end
 
 local remembered = rcall('GET', K.claim)
 if remembered then
   local c = cjson.decode(remembered)
-  return leased_reply(c.wait, c.expired, c.batch)
+  return leased_reply(c.wait, c.expired, c.batch, c.head)
 end
 
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
@@ -234,7 +235,9 @@ local function global_ids(offset, count)
   end
   return rcall('ZRANGE', K.pending, offset, offset + count - 1)
 end
-local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(global_ids(0, 1)[1]) or nil
+local head_id = global_ids(0, 1)[1]
+local head_rank = head_id and tonumber(rcall('ZSCORE', K.pending, head_id)) or 0
+local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(head_id) or nil
 -- the next `count` candidates (read in turn: `offset` is where the last read ended)
 local function pending_ids(offset, count)
   if fair then return fair.read(count) end
@@ -393,6 +396,6 @@ call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
 add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
-rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
-      'PX', lease_ms)
-return reply_for(wait, out_ids, #expired_ids, out_scheds)
+rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids,
+                                   head = head_rank}), 'PX', lease_ms)
+return reply_for(wait, out_ids, #expired_ids, out_scheds, head_rank)
