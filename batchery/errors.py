@@ -27,7 +27,8 @@ class RequestTooLarge(InvalidRequest):
 
 class QueueFull(BatcheryError):
     """The queue refuses new requests for now: it holds max_pending requests already
-    (reason ``max_pending``), or Redis is over its memory high-water mark (``memory``)."""
+    (reason ``max_pending``), one tenant holds its tenant_max_pending (``tenant``: other
+    tenants are not affected), or Redis is over its memory high-water mark (``memory``)."""
 
     exit_code = 3
 

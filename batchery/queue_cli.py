@@ -14,7 +14,8 @@ from batchery.batching.settings import MAX_SHARDS
 from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
                                  queue_option, redis_options)
-from batchery.errors import ConfigError
+from batchery.batching.messages import check_tenant
+from batchery.errors import ConfigError, InvalidRequest
 
 
 @click.group("queue")
@@ -36,6 +37,25 @@ def _class_delays(_ctx: click.Context, _param: click.Parameter, values: tuple[st
     return delays
 
 
+def _tenant_values(kind: type, example: str) -> Any:
+    """A callback reading repeated TENANT=VALUE options into a dict (the value after the
+    last '=': a tenant name may hold '=')."""
+    def read(_ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for value in values:
+            name, sep, number = value.rpartition("=")
+            try:
+                found[check_tenant(name.strip())] = kind(number)
+            except (ValueError, InvalidRequest) as exc:
+                sep = ""
+                why = f" ({exc})" if isinstance(exc, InvalidRequest) else ""
+            if not sep:
+                raise click.BadParameter(f"{value!r}: expected TENANT=VALUE, e.g. {example}{why}",
+                                         param=param)
+        return found
+    return read
+
+
 def _change(*decls: str, **kwargs: Any) -> Any:
     """A setting to change. Never from the environment: the settings live in Redis, and a
     variable would rewrite them on every `queue config` that only meant to read them."""
@@ -48,6 +68,15 @@ def _change(*decls: str, **kwargs: Any) -> Any:
          "sharded queue: ceil(N / shards) per shard).")
 @_change("--class-delay", multiple=True, callback=_class_delays, metavar="CLASS=SECONDS",
          help="Seconds added to a class's enqueue time (repeatable).")
+@_change("--fair-share/--no-fair-share", default=None, help="Share each class's served "
+         "tokens between its backlogged tenants by weight (the default), or serve it by age "
+         "alone.")
+@_change("--tenant-weight", multiple=True, callback=_tenant_values(float, "team-a=2"),
+         metavar="TENANT=W", help="A tenant's weight in the fair share of its class "
+         "(repeatable; default 1): backlogged tenants are served tokens in proportion.")
+@_change("--tenant-max-pending", multiple=True, callback=_tenant_values(int, "team-a=1000"),
+         metavar="TENANT=N", help="Most requests a tenant may hold queued (repeatable; 0: no "
+         "limit); over it only that tenant's enqueues are refused.")
 @_change("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
 @_change("--lease-seconds", type=FINITE, help="Claims not renewed this long are taken back.")
 @_change("--result-ttl", type=int, help="Seconds results stay readable.")
@@ -73,15 +102,18 @@ def _change(*decls: str, **kwargs: Any) -> Any:
          "flight or dead); max_pending then holds per shard as ceil(max_pending / N).")
 @json_option
 @redis_options
-def queue_config(queue: str, class_delay: dict[str, float], as_json: bool, redis_url: str,
+def queue_config(queue: str, class_delay: dict[str, float], tenant_weight: dict[str, float],
+                 tenant_max_pending: dict[str, int], as_json: bool, redis_url: str,
                  cluster: bool, **changes: Any) -> None:
     """Show QUEUE's settings, changing those given first."""
     requests = open_queue(connect(redis_url, cluster), queue)
     changes = {k: v for k, v in changes.items() if v is not None}
     settings = requests.settings()
-    if changes or class_delay:
+    if changes or class_delay or tenant_weight or tenant_max_pending:
         settings = requests.update_settings(
-            class_delays={**settings.class_delays, **class_delay}, **changes)
+            class_delays={**settings.class_delays, **class_delay},
+            tenant_weights={**settings.tenant_weights, **tenant_weight},
+            tenant_max_pending={**settings.tenant_max_pending, **tenant_max_pending}, **changes)
         requests.register()
     data = settings.__dict__
     if as_json:
@@ -197,6 +229,20 @@ def _print_stats(client: Any, only: str | None, as_json: bool) -> None:
         by = " ".join(f"{c}={n}" for c, n in s["pending_by_priority"].items()) or "-"
         click.echo(f"{name:<20} {s['pending']:>9} {s['inflight']:>9} {s['dead']:>6} "
                    f"{s['workers']:>8} {s['shards']:>6}  {by}{'  (paused)' if s['paused'] else ''}")
+    for name, s in queues.items():
+        _print_tenants(name, s["tenants"], s["tenants_other"])
+
+
+def _print_tenants(queue: str, tenants: dict[str, dict[str, int]], other: dict[str, int]) -> None:
+    """The tenants of a queue, most loaded first, then the rest as one line."""
+    if not tenants:
+        return
+    click.echo(f"\n{'tenant of ' + queue:<40} {'pending':>9} {'served tokens':>14}")
+    for tenant, load in tenants.items():
+        click.echo(f"{tenant[:40]:<40} {load['pending']:>9} {load['served_tokens']:>14}")
+    if other["tenants"]:
+        click.echo(f"{'(' + str(other['tenants']) + ' other tenants)':<40} {other['pending']:>9} "
+                   f"{other['served_tokens']:>14}")
 
 
 # -- dead letters -------------------------------------------------------------------------

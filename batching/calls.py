@@ -49,9 +49,10 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
-        args += [r.id, r.priority, tokens, deadline_ms, r.payload()]
+        args += [r.id, r.priority, tokens, deadline_ms, r.tenant, r.payload()]
     return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
                  k.stats, k.dead, k.attempts, k.history, k.call(new_call_id()),
+                 k.fair, k.fair_tenants, k.vtc,
                  *(k.result_prefix + r.id for r in requests)], args)
 
 
@@ -70,7 +71,7 @@ def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[s
 
 def parse_clients(scheds: Sequence[str | None]) -> list[str]:
     """The client field of sched entries ('' where the request is gone)."""
-    return [s.split(":", 5)[5] if s else "" for s in scheds]
+    return [s.split(":", 6)[5] if s else "" for s in scheds]
 
 
 def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
@@ -82,7 +83,8 @@ def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
     return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history, *(k.result(i) for i in ids),
+                 k.settings, k.depth, k.stats, k.history, k.fair, k.fair_tenants, k.vtc,
+                 *(k.result(i) for i in ids),
                  *(k.cancelled(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)],
                 args)
 
@@ -123,6 +125,12 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
         raise memory_full(f"it uses {int(used) / 2**20:.1f} MiB of its maxmemory "
                           f"{int(most) / 2**20:.1f} MiB, over the queue's memory_high_water")
     request = requests[index - 1]
+    if code == "tenant_full":
+        share = "" if int(reply[4]) <= 1 else f" (ceil({detail} / {reply[4]}) on each shard)"
+        raise QueueFull(f"queue is full for tenant {request.tenant!r}: it holds its "
+                        f"tenant_max_pending of {detail} requests{share}; other tenants are not "
+                        "affected. Retry later, or raise it with `batchery queue config QUEUE "
+                        f"--tenant-max-pending {request.tenant}=N`", reason="tenant")
     if code == "too_large":
         raise RequestTooLarge(f"request {request.id!r} is {len(request.payload())} bytes, over "
                               f"the queue's max_request_bytes of {detail}; send a smaller input "
@@ -140,11 +148,13 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
                                                for i, p in zip(reply[3:3 + n], reply[3 + n:])])
     if len(reply) == 3:  # nothing leased
         return ClaimReply(now_ms, wait_ms)
+    head = int(reply[3])  # the rank the batch was chosen against
     m = int(reply[-1])  # the requests priced ahead, last: their ids, then their payloads
-    n = (len(reply) - 4 - 2 * m) // 4
-    ids, payloads = reply[3:3 + n], reply[3 + n:3 + 2 * n]
-    scheds, failures = reply[3 + 2 * n:3 + 3 * n], reply[3 + 3 * n:3 + 4 * n]
-    claimed = [Claimed.decode(i, p, s, f, token) for i, p, s, f in zip(ids, payloads, scheds, failures)]
-    ahead = reply[3 + 4 * n:-1]
+    n = (len(reply) - 5 - 2 * m) // 4
+    ids, payloads = reply[4:4 + n], reply[4 + n:4 + 2 * n]
+    scheds, failures = reply[4 + 2 * n:4 + 3 * n], reply[4 + 3 * n:4 + 4 * n]
+    claimed = [Claimed.decode(i, p, s, f, token, head)
+               for i, p, s, f in zip(ids, payloads, scheds, failures)]
+    ahead = reply[4 + 4 * n:-1]
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
                       price_ahead=[(i, stored_input(p)) for i, p in zip(ahead[:m], ahead[m:])])

@@ -23,6 +23,32 @@ CHUNK = 1000                  # ids per call where the caller lists many (revive
 # as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
 WORKER_INFO_LEASES = 10
 OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read walks
+# Tenants `queue stats` names, the most loaded first; the rest are summed as one "other":
+# a million job ids as tenants do not make a million lines (or metric series).
+TENANTS_SHOWN = 10
+TENANT_DEPTH = "tenant:"      # depth hash fields counting a tenant's queued requests (lua/_common.lua)
+
+
+def top_tenants(loads: dict[str, dict[str, int]], most: int = TENANTS_SHOWN
+                ) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """The ``most`` tenants with the most queued requests (then the most tokens served),
+    and the rest summed: {"tenants": how many, "pending", "served_tokens"}."""
+    ranked = sorted(loads.items(), key=lambda kv: (-kv[1]["pending"], -kv[1]["served_tokens"], kv[0]))
+    rest = ranked[most:]
+    return dict(ranked[:most]), {"tenants": len(rest),
+                                 "pending": sum(v["pending"] for _, v in rest),
+                                 "served_tokens": sum(v["served_tokens"] for _, v in rest)}
+
+
+def merge_loads(*loads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per-tenant loads of several shards, summed."""
+    total: dict[str, dict[str, int]] = {}
+    for shard in loads:
+        for tenant, load in shard.items():
+            into = total.setdefault(tenant, {"pending": 0, "served_tokens": 0})
+            for k, v in load.items():
+                into[k] += v
+    return total
 
 
 def dead_results(ids: Sequence[str], results: Sequence[Result | None]) -> list[Result]:
@@ -105,7 +131,7 @@ class QueueInspection:
             chunk = ids[start:start + CHUNK]
             revived += int(self.scripts.revive(
                 [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
-                 *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+                 k.fair, k.fair_tenants, k.vtc, *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
         return revived
 
     def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
@@ -136,11 +162,25 @@ class QueueInspection:
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
         pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
+        tenants, other = top_tenants(self.tenant_loads(depth))
         return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
-                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items()) if int(n)},
+                "tenants": tenants, "tenants_other": other,
+                "pending_by_priority": {c: int(n) for c, n in sorted(depth.items())
+                                        if int(n) and ":" not in c},
                 "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
                 "workers": self.live_workers() if workers else 0,
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
+
+    def tenant_loads(self, depth: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
+        """Each tenant's queued requests (pending + delayed) and tokens served (claimed),
+        for those with either. ``depth``: the depth hash, when read already."""
+        if depth is None:
+            depth = self.client.hgetall(self.keys.depth)
+        loads = {field[len(TENANT_DEPTH):]: {"pending": int(n), "served_tokens": 0}
+                 for field, n in depth.items() if field.startswith(TENANT_DEPTH) and int(n) > 0}
+        for tenant, tokens in self.client.hscan_iter(self.keys.served, count=1000):
+            loads.setdefault(tenant, {"pending": 0, "served_tokens": 0})["served_tokens"] = int(tokens)
+        return loads
 
     @staticmethod
     def known_queues(client: Any) -> list[str]:

@@ -100,8 +100,33 @@ class Keys:
 
     @property
     def sched(self) -> str:
-        """HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client": what claims decide on."""
+        """HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client:tenant": what claims
+        decide on (entries written before tenants end at client: tenant "default")."""
         return self._key("sched")
+
+    @property
+    def fair(self) -> str:
+        """ZSET, every score 0, of "class\ttenant\trank\tid" (rank zero-padded to 15
+        digits): the sub-queue of each (class, tenant) in rank order, read by lex range
+        (batching/lua/_common.lua fair_*; docs/fair-share.md)."""
+        return self._key("fair")
+
+    @property
+    def fair_tenants(self) -> str:
+        """ZSET, every score 0, of "class\tcounter\ttenant" (counter zero-padded): the
+        backlogged tenants of each class, least served first."""
+        return self._key("fair_tenants")
+
+    @property
+    def vtc(self) -> str:
+        """HASH "class\ttenant" -> virtual token counter (tokens served / weight);
+        "class\t" -> the class's floor, the counter a tenant back from idle starts at."""
+        return self._key("vtc")
+
+    @property
+    def served(self) -> str:
+        """HASH tenant -> tokens served (claimed), for `batchery queue stats`."""
+        return self._key("served")
 
     @property
     def attempts(self) -> str:

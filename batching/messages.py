@@ -15,6 +15,8 @@ OK, ERROR, EXPIRED, CANCELLED, DEAD = "ok", "error", "expired", "cancelled", "de
 MAX_ID_LENGTH = 512
 MAX_DEADLINE_S = 30 * 86_400
 MAX_TOKENS = 10_000_000
+DEFAULT_TENANT = "default"  # whose share a request is served from when it names none
+MAX_TENANT_LENGTH = 128     # a job id as tenant fits; stored in every request's sched entry
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -30,22 +32,24 @@ class Request:
     tokens: int | None = None  # cost in tokens; None: estimated, and workers count it exactly
     meta: dict[str, Any] | None = None
     trace: str | None = None  # W3C traceparent of the producer's span (batchery/tracing.py)
+    tenant: str = DEFAULT_TENANT  # who it is served for: fair share between tenants of a class
 
     @classmethod
     def validated(cls, id: Any, input: Any, priority: Any = "normal", deadline: Any = None,
                   tokens: Any = None, meta: Any = None,
-                  count: Callable[[Any], int | None] | None = None) -> "Request":
+                  count: Callable[[Any], int | None] | None = None,
+                  tenant: Any = DEFAULT_TENANT) -> "Request":
         """Build a request, raising InvalidRequest with the reason when a field is wrong.
 
         ``count`` prices the input in tokens when ``tokens`` is None (None: it cannot
         count exactly, so the request is priced by estimate until a worker counts it).
         """
         request_id, priority, deadline = check_id(id), check_priority(priority), check_deadline(deadline)
-        tokens, meta = check_tokens(tokens), check_meta(meta)
+        tokens, meta, tenant = check_tokens(tokens), check_meta(meta), check_tenant(tenant)
         if tokens is None and count is not None:
             tokens = count(input)
         return cls(id=request_id, input=input, priority=priority, deadline=deadline,
-                   tokens=tokens, meta=meta)
+                   tokens=tokens, meta=meta, tenant=tenant)
 
     def alike(self, id: str, input: Any, tokens: int | None) -> "Request":
         """A request of ``input`` with this checked one's priority, deadline and meta, under
@@ -53,7 +57,7 @@ class Request:
         __init__."""
         return _frozen(Request, {"id": id, "input": input, "priority": self.priority,
                                  "deadline": self.deadline, "tokens": tokens, "meta": self.meta,
-                                 "trace": None})
+                                 "trace": None, "tenant": self.tenant})
 
     def payload(self) -> bytes:
         """The JSON stored in Redis for the worker: input, meta, and the trace context
@@ -73,6 +77,10 @@ class Request:
 
 def check_id(value: Any) -> str:
     return check_name(value, "request id")
+
+
+def check_tenant(value: Any) -> str:
+    return check_name(value, "tenant", MAX_TENANT_LENGTH)
 
 
 def check_name(value: Any, what: str, most: int = MAX_ID_LENGTH) -> str:
@@ -301,16 +309,21 @@ class Claimed:
     rank: int = 0        # its score in the pending set (enqueue ms + class delay ms)
     client: str = ""     # the client that enqueued it, whose reply list gets its result
     trace: Any = None    # the producer's W3C traceparent, as stored (batchery/tracing.py)
+    tenant: str = DEFAULT_TENANT  # whose fair share it was served from
+    # the rank of the most urgent pending request when its batch was chosen (0: unknown):
+    # only a request ranked before it is more urgent than the batch (fair share may serve
+    # a tenant's later requests before another's earlier ones, on purpose)
+    chosen_against: int = 0
 
     @classmethod
     def decode(cls, id: str, payload: str | None, sched: str | None, failures: str | None,
-               token: str) -> "Claimed":
+               token: str, chosen_against: int = 0) -> "Claimed":
         """The claimed request, or, whatever is wrong with what Redis holds for it (its
         stored JSON, its schedule entry, its attempt count), one marked ``invalid`` with
         the reason: never an exception, so the claim's other requests and every lease it
         took reach the worker (the per-request boundary of a claim)."""
         try:
-            tokens, expire, enqueued, rank, priority, client = (sched or "").split(":", 5)
+            tokens, expire, enqueued, rank, priority, client, *tenant = (sched or "").split(":", 6)
             body, invalid = stored_body(payload)
             meta = body.get("meta")
             if invalid is None and meta is not None and not isinstance(meta, dict):
@@ -320,7 +333,9 @@ class Claimed:
                 "tokens": int(tokens.lstrip("~")), "enqueued_ms": int(enqueued),
                 "expire_ms": int(expire), "priority": priority,
                 "attempt": int(failures or 0) + 1, "lease_token": token, "invalid": invalid,
-                "rank": int(rank), "client": client, "trace": body.get("trace")})
+                "rank": int(rank), "client": client, "trace": body.get("trace"),
+                "tenant": tenant[0] if tenant and tenant[0] else DEFAULT_TENANT,
+                "chosen_against": chosen_against})
         except Exception as exc:  # the boundary: anything one request holds fails it alone
             return cls(id=id, input=None, meta=None, tokens=1, enqueued_ms=0, expire_ms=0,
                        priority="normal", attempt=_attempt(failures), lease_token=token,

@@ -105,3 +105,37 @@ def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
     if not full and waited < max_wait_ms:
         return Selection(expired=expired, wait_ms=max_wait_ms - waited)
     return Selection(batch=[live[i].id for i in sorted(chosen)], expired=expired)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """One backlogged tenant of a class, as a fair claim sees it."""
+
+    tenant: str
+    counter: float               # weighted tokens served: sum of tokens / weight
+    queued: list[Candidate]      # its sub-queue: its pending requests of the class, in rank order
+
+
+def fair_lookahead(backlogs: list[Backlog], quantum: float, lookahead: int) -> list[Candidate]:
+    """The candidates of a claim that shares a class between two or more backlogged
+    tenants (``lua/claim.lua`` fair_reader), to hand to :func:`select_batch`: the least
+    served tenant's sub-queue first (its head heads the batch), then each next tenant's by
+    counter (ties: name), skipping tenants more than ``quantum`` (max_batch_tokens)
+    ahead of the least served, ``lookahead`` in all.
+
+    Only tenants within ``quantum`` of the least served can be charged, and a claim
+    charges one tenant at most T = max(max_batch_tokens, its longest request) tokens, so
+    two backlogged tenants' counters never differ by more than quantum + T / w_min
+    (docs/fair-share.md)."""
+    order = sorted(backlogs, key=lambda b: (b.counter, b.tenant))
+    chosen: list[Candidate] = []
+    for backlog in order:
+        if backlog.counter > order[0].counter + quantum or len(chosen) >= lookahead:
+            break
+        chosen.extend(backlog.queued[:lookahead - len(chosen)])
+    return chosen
+
+
+def charged(counter: float, tokens: int, weight: float) -> float:
+    """A tenant's counter once a claim served it ``tokens`` (exact counts) at ``weight``."""
+    return counter + tokens / weight

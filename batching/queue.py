@@ -181,7 +181,7 @@ class RequestQueue(QueueInspection):
         k = self.keys
         reply = self.scripts.claim(
             [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
-             k.settings, k.depth, k.claim(token)],
+             k.settings, k.depth, k.claim(token), k.fair, k.fair_tenants, k.vtc, k.served],
             [token, max_batch_size, max_batch_tokens, max_wait_ms,
              min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
              "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
@@ -259,7 +259,8 @@ class RequestQueue(QueueInspection):
 
     def depth(self) -> dict[str, int]:
         """Pending requests per priority class."""
-        return {c: int(n) for c, n in self.client.hgetall(self.keys.depth).items()}
+        return {c: int(n) for c, n in self.client.hgetall(self.keys.depth).items()
+                if ":" not in c}  # tenant:NAME fields count per tenant (see tenant_depth)
 
     def holders(self, ids: Sequence[str]) -> list[str | None]:
         """The lease token holding each request now; None once it was cancelled or
@@ -271,7 +272,7 @@ class RequestQueue(QueueInspection):
         attempt; forget dead letters older than dead_ttl."""
         k = self.keys
         fixed = [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
-                 k.stats, k.requests, k.history]
+                 k.stats, k.requests, k.history, k.fair, k.fair_tenants, k.vtc]
         args = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
                 limit, DEFAULTS.dead_ttl]
         reaped = Reaped()
@@ -298,7 +299,8 @@ class RequestQueue(QueueInspection):
             return 0
         k = self.keys
         args = [v for lease in leases for v in lease]
-        return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth], args))
+        return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth,
+                                         k.fair, k.fair_tenants, k.vtc], args))
 
     def forget_workers(self, older_than_s: float) -> int:
         """Drop registry entries of workers not heard from in ``older_than_s`` (they died);

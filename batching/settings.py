@@ -58,25 +58,38 @@ class QueueSettings:
     # scripts' keys: one Redis Cluster node's core no longer caps the queue. 1: one slot.
     # Stored in every shard's settings hash; max_pending holds per shard (ceil of 1/N).
     shards: int = 1
+    # Share each class's served tokens between its backlogged tenants by weight
+    # (docs/fair-share.md); off, a class is served by age alone (counters still kept).
+    fair_share: bool = True
+    # Fair share within a class: a tenant's weight; its share of the
+    # class's served tokens is its weight over the backlogged tenants' total. Absent: 1.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Most requests one tenant may hold queued (on a sharded queue, ceil(N / shards) per
+    # shard); over it, its enqueues get QueueFull (reason tenant). Absent or 0: no limit.
+    tenant_max_pending: dict[str, int] = field(default_factory=dict)
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
         flat = {k: str(int(v) if isinstance(v, bool) else v)  # Lua reads booleans as 1 / 0
-                for k, v in asdict(self).items() if k != "class_delays"}
-        flat.update({f"delay:{c}": str(s) for c, s in self.class_delays.items()})
+                for k, v in asdict(self).items() if k not in _MAPS}
+        for name, prefix in _MAPS.items():
+            flat.update({prefix + key: str(v) for key, v in getattr(self, name).items()})
         return flat
 
     @classmethod
     def from_redis(cls, flat: Mapping[str, str]) -> "QueueSettings":
         base = cls()
         values: dict[str, Any] = {}
-        delays = dict(base.class_delays)
+        maps: dict[str, dict[str, Any]] = {"class_delays": dict(base.class_delays),
+                                           "tenant_weights": {}, "tenant_max_pending": {}}
         for key, raw in flat.items():
-            if key.startswith("delay:"):
-                delays[key[len("delay:"):]] = float(raw)
+            name, _, rest = key.partition(":")
+            if rest and name + ":" in _MAP_OF:
+                field_name = _MAP_OF[name + ":"]
+                maps[field_name][rest] = _MAP_TYPES[field_name](raw)
             elif key in _FIELD_TYPES:
                 values[key] = _FIELD_TYPES[key](raw)
-        return replace(base, class_delays=delays, **values)
+        return replace(base, **maps, **values)
 
     def updated(self, **changes: Any) -> "QueueSettings":
         """A copy with changes applied and checked; raises ConfigError naming the bad value."""
@@ -97,9 +110,20 @@ class QueueSettings:
             if not (math.isfinite(delay) and 0 <= delay <= MAX_CLASS_DELAY_S):
                 raise ConfigError(f"class delay for {name!r} must be 0..{MAX_CLASS_DELAY_S} "
                                   f"seconds, got {delay}")
+        for name, weight in self.tenant_weights.items():
+            if not (isinstance(weight, (int, float)) and math.isfinite(weight)
+                    and MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT):
+                raise ConfigError(f"tenant weight for {name!r} must be a number from "
+                                  f"{MIN_TENANT_WEIGHT:g} to {MAX_TENANT_WEIGHT:g}, got {weight!r}")
+        for name, most in self.tenant_max_pending.items():
+            if isinstance(most, bool) or not isinstance(most, int) or not 0 <= most <= 1_000_000_000:
+                raise ConfigError(f"tenant max pending for {name!r} must be an integer from 0 "
+                                  f"(no limit) to 1000000000, got {most!r}")
 
 
 MAX_CLASS_DELAY_S = 7 * 86_400
+# A weight's range: counters grow by tokens / weight and stay exact in Lua's doubles.
+MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.01, 1000.0
 MAX_SHARDS = 256  # more than any cluster's masters need; keeps per-claim head reads small
 # Accepted range of each numeric setting. The upper bounds keep every value one Redis
 # and Lua can use (an expire of 10**16 s is "invalid expire time" on every commit).
@@ -116,9 +140,15 @@ LIMITS: dict[str, tuple[float, float]] = {
 }
 
 
+# The settings that map names to values, each stored as one hash field per name, under
+# its prefix: "delay:batch", "tenant_weight:team-a", "tenant_max_pending:team-a".
+_MAPS = {"class_delays": "delay:", "tenant_weights": "tenant_weight:",
+         "tenant_max_pending": "tenant_max_pending:"}
+_MAP_OF = {prefix: name for name, prefix in _MAPS.items()}
+_MAP_TYPES = {"class_delays": float, "tenant_weights": float, "tenant_max_pending": int}
 _PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}
 _FIELD_TYPES = {f.name: _PARSERS[str(f.type)]
-                for f in fields(QueueSettings) if f.name != "class_delays"}
+                for f in fields(QueueSettings) if f.name not in _MAPS}
 
 
 # What a script falls back to where the queue's settings hash lacks a value.

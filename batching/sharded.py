@@ -23,7 +23,7 @@ import redis
 
 from batchery.batching.keys import shard_of, shard_tags
 from batchery.batching.messages import Request, Result
-from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results
+from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results, merge_loads, top_tenants
 from batchery.batching.queue import Reaped, RequestQueue
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
@@ -389,6 +389,10 @@ class ShardedQueue(ShardClaims):
                 total[c] = total.get(c, 0) + n
         return total
 
+    def top_tenants(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """The most loaded tenants over every shard, and the rest summed (top_tenants)."""
+        return top_tenants(merge_loads(*(q.tenant_loads() for q in self.shards)))
+
     def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
         now, looked, oldest = 0, 0, {}
         for q in self.shards:
@@ -409,6 +413,8 @@ class ShardedQueue(ShardClaims):
             for group in ("pending_by_priority", "totals"):
                 for k, v in s[group].items():
                     merged[group][k] = merged[group].get(k, 0) + v
+        if self.n > 1:
+            merged["tenants"], merged["tenants_other"] = self.top_tenants()
         merged["pending_by_priority"] = dict(sorted(merged["pending_by_priority"].items()))
         merged["totals"] = dict(sorted(merged["totals"].items()))
         return {**merged, "shards": self.n}

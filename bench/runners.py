@@ -53,3 +53,20 @@ def poisoned() -> Any:
         time.sleep(0.02)
         return [{"score": 0.5} for _ in inputs]
     return run
+
+
+def padded_cost() -> Any:
+    """Sleeps BENCH_TOKEN_US (default 10) per padded token (the longest input's tokens x the
+    batch's size) plus BENCH_BATCH_MS (default 1) per batch: a model whose time grows with
+    padding, as a transformer's does, at no CPU. Inputs are {"n": tokens}."""
+    per_token = float(os.environ.get("BENCH_TOKEN_US", "10")) / 1e6
+    per_batch = float(os.environ.get("BENCH_BATCH_MS", "1")) / 1000
+
+    def tokens(value: Any) -> int:
+        return max(1, int(value["n"])) if isinstance(value, dict) and "n" in value else 1
+
+    def run(inputs: list[Any]) -> list[Any]:
+        time.sleep(per_batch + per_token * max(map(tokens, inputs)) * len(inputs))
+        return [None] * len(inputs)
+    run.tokens = tokens  # type: ignore[attr-defined]
+    return run

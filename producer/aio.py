@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from batchery import tracing
 from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.keys import check_queue_name
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import DEFAULT_TENANT, Request, Result, check_tenant
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -89,7 +89,8 @@ class AsyncClient:
     """``async with AsyncClient(url, queue="embed") as ac: r = await ac.submit(...)``."""
 
     def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, tenant: str = DEFAULT_TENANT) -> None:
+        self.tenant = check_tenant(tenant)  # as Client's
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn: Any = None
         self._queue_name = check_queue_name(queue)
@@ -137,13 +138,15 @@ class AsyncClient:
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"
-        return make_request(fields, self._new_id, self._count)
+        return make_request(fields, self._new_id, self._count, self.tenant)
 
     async def enqueue(self, input: Any, priority: str | int = "normal",
                       deadline: float | None = None, id: str | None = None,
-                      tokens: int | None = None, meta: dict[str, Any] | None = None) -> AsyncHandle:
+                      tokens: int | None = None, meta: dict[str, Any] | None = None,
+                      tenant: str | None = None) -> AsyncHandle:
         return (await self.enqueue_many([{"input": input, "priority": priority, "deadline": deadline,
-                                          "id": id, "tokens": tokens, "meta": meta}]))[0]
+                                          "id": id, "tokens": tokens, "meta": meta,
+                                          "tenant": tenant}]))[0]
 
     async def enqueue_many(self, requests: Iterable[Mapping[str, Any]]) -> list[AsyncHandle]:
         await self._refresh_settings()
@@ -168,7 +171,7 @@ class AsyncClient:
 
     async def map(self, inputs: Iterable[Any], priority: str | int = "normal",
                   deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
-                  timeout: float | None = None) -> list[Result]:
+                  timeout: float | None = None, tenant: str | None = None) -> list[Result]:
         """Run every input and return the results in input order, ``max_in_flight`` queued.
 
         As Client.map: no future per request. The reply listener hands each result to
@@ -185,7 +188,8 @@ class AsyncClient:
             arrived.append(result)
             woken.set()
 
-        source = map_requests(values, priority, deadline, self._new_id, self._count_tokens)
+        source = map_requests(values, priority, deadline, self._new_id, self._count_tokens,
+                              tenant or self.tenant)
         sent, progress = 0, time.monotonic()
         try:
             while sent < len(values) or place:

@@ -22,6 +22,8 @@ from batchery.producer.client import Client
 @click.option("--priority", "-p", default=default_of(Request, "priority"), show_default=True,
               help="realtime, normal, batch, or a delay in seconds.")
 @click.option("--deadline", type=FINITE, help="Seconds from now after which it is not run.")
+@click.option("--tenant", default=default_of(Request, "tenant"), show_default=True,
+              help="Whose fair share of its class the requests are served from.")
 @click.option("--id", "request_id", allow_from_autoenv=False,
               help="Request id (one input only); enqueue is idempotent by id.")
 @click.option("--wait", is_flag=True, help="Wait for the results and print them as JSON lines "
@@ -34,7 +36,7 @@ from batchery.producer.client import Client
 @queue_option
 @redis_options
 def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
-            deadline: float | None, request_id: str | None, wait: bool, stream: bool,
+            deadline: float | None, tenant: str, request_id: str | None, wait: bool, stream: bool,
             timeout: float, as_json: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Queue requests; print their ids, or with --wait their results (JSON lines)."""
     values: list[Any] = list(texts)
@@ -56,7 +58,7 @@ def enqueue(texts: tuple[str, ...], inputs: tuple[str, ...], priority: str,
                                "stderr: drop --json (or use --wait for JSON results)")
     if stream:
         values = [_streamed(values)]
-    with Client(redis_url, queue, cluster=cluster) as client:
+    with Client(redis_url, queue, cluster=cluster, tenant=tenant) as client:
         handles = client.enqueue_many([{"input": v, "priority": parse_priority(priority),
                                         "deadline": deadline, "id": request_id} for v in values],
                                       reply=wait or stream)

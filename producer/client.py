@@ -13,7 +13,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from batchery import tracing
-from batchery.batching.messages import CANCELLED, Request, Result
+from batchery.batching.messages import CANCELLED, DEFAULT_TENANT, Request, Result, check_tenant
 from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
@@ -26,7 +26,7 @@ from batchery.producer.tokens import QueueCounter
 POLL_S = 1.0          # a waiter also reads the result key this often (covers lost replies)
 ENQUEUE_CHUNK = 500   # requests per enqueue call in map/stream: one Lua call each
 MAX_IN_FLIGHT = 2000  # requests map/stream keep queued at once by default
-REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta")
+REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta", "tenant")
 _FIELD_SET = frozenset(REQUEST_FIELDS)
 
 
@@ -42,8 +42,9 @@ class RequestIds:
 
 
 def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
-                 count: Callable[[Any], int | None]) -> Request:
-    """A validated Request from a dict of REQUEST_FIELDS; raises InvalidRequest."""
+                 count: Callable[[Any], int | None], tenant: str = DEFAULT_TENANT) -> Request:
+    """A validated Request from a dict of REQUEST_FIELDS; raises InvalidRequest.
+    ``tenant``: where the dict names none (or null)."""
     if not isinstance(fields, abc.Mapping):  # collections.abc: typing's isinstance is slow
         raise InvalidRequest(f"a request must be an object, got {type(fields).__name__}")
     if not fields.keys() <= _FIELD_SET:
@@ -56,7 +57,8 @@ def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
     return Request.validated(id=new_id() if request_id is None else request_id,
                              input=fields["input"], priority=_given(fields, "priority", "normal"),
                              deadline=fields.get("deadline"), tokens=fields.get("tokens"),
-                             meta=fields.get("meta"), count=count)
+                             meta=fields.get("meta"), count=count,
+                             tenant=_given(fields, "tenant", tenant))
 
 
 def _given(fields: Mapping[str, Any], name: str, default: Any) -> Any:
@@ -67,7 +69,8 @@ def _given(fields: Mapping[str, Any], name: str, default: Any) -> Any:
 
 
 def map_requests(values: Iterable[Any], priority: str | int, deadline: float | None,
-                 new_id: Callable[[], str], count: Callable[[Any], int | None]) -> Iterator[Request]:
+                 new_id: Callable[[], str], count: Callable[[Any], int | None],
+                 tenant: str = DEFAULT_TENANT) -> Iterator[Request]:
     """``map``'s requests, drawn lazily: the first checked whole (make_request), the others
     sharing its priority, deadline and meta, built without the frozen __init__ under ids
     of ours (valid as made), ``count`` read at each draw (the queue's tokenizer may change)."""
@@ -75,7 +78,7 @@ def map_requests(values: Iterable[Any], priority: str | int, deadline: float | N
     for value in values:
         if first is None:
             yield (first := make_request({"input": value, "priority": priority, "deadline": deadline},
-                                         new_id, count))
+                                         new_id, count, tenant))
         else:
             yield first.alike(new_id(), value, count(value))
 
@@ -190,10 +193,12 @@ class Handle:
 
 
 class Client:
-    """A producer for one queue. ``redis_url`` None: BATCHERY_REDIS_URL, else embedded."""
+    """A producer for one queue. ``redis_url`` None: BATCHERY_REDIS_URL, else embedded.
+    ``tenant``: whose fair share its requests are served from, where a call names none."""
 
     def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, *,
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, tenant: str = DEFAULT_TENANT) -> None:
+        self.tenant = check_tenant(tenant)
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn = self.redis.client()
         self.queue = open_queue(self._conn, queue)
@@ -217,10 +222,11 @@ class Client:
 
     def enqueue(self, input: Any, priority: str | int = "normal", deadline: float | None = None,
                 id: str | None = None, tokens: int | None = None,
-                meta: dict[str, Any] | None = None) -> Handle:
+                meta: dict[str, Any] | None = None, tenant: str | None = None) -> Handle:
         """Queue one request; raises QueueFull under backpressure, ValueError if invalid."""
         return self.enqueue_many([{"input": input, "priority": priority, "deadline": deadline,
-                                   "id": id, "tokens": tokens, "meta": meta}])[0]
+                                   "id": id, "tokens": tokens, "meta": meta,
+                                   "tenant": tenant}])[0]
 
     def enqueue_many(self, requests: Iterable[Mapping[str, Any]], reply: bool = True) -> list[Handle]:
         """Queue requests (dicts with the fields of ``enqueue``) in one all-or-nothing call.
@@ -252,7 +258,7 @@ class Client:
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""
-        return make_request(fields, self._new_id, self.count_tokens)
+        return make_request(fields, self._new_id, self.count_tokens, self.tenant)
 
     def _forget_delivered(self, ids: list[str]) -> None:
         if self._delete_delivered is None:
@@ -346,13 +352,13 @@ class Client:
 
     def map(self, inputs: Iterable[Any], priority: str | int = "normal",
             deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
-            timeout: float | None = None) -> list[Result]:
+            timeout: float | None = None, tenant: str | None = None) -> list[Result]:
         """Run every input and return the results in input order."""
         index: dict[str, int] = {}
 
         def requests() -> Iterator[Request]:
             for i, request in enumerate(map_requests(inputs, priority, deadline, self._new_id,
-                                                     self.count_tokens)):
+                                                     self.count_tokens, tenant or self.tenant)):
                 index[request.id] = i
                 yield request
 

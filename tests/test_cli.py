@@ -171,9 +171,11 @@ def test_stats_watch_prints_until_interrupted(redis_url: str, queue_name: str) -
                            "--watch", "0.2"], cwd=ROOT, env=cli_env(redis_url),
                           stdout=subprocess.PIPE, text=True) as proc:
         try:
-            seen = [proc.stdout.readline() for _ in range(4)]  # header, row, blank, header
+            # header, row, (blank, its tenants' header, one tenant), blank, header again
+            seen = [proc.stdout.readline() for _ in range(7)]
             assert seen[0].startswith("queue") and queue_name in seen[1]
-            assert seen[3].startswith("queue")
+            assert seen[3].startswith("tenant of") and seen[4].startswith("default ")
+            assert seen[6].startswith("queue")
         finally:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(10) == 0

@@ -24,7 +24,8 @@ from tests.conftest import run_cli, start_worker, stop_process, wait_for
 from tests.dashboard_helpers import TOKEN, dashboard
 from tests.jobs_helpers import requests as job_lines, submit, write_lines
 
-STATS_FIELDS = ("pending", "pending_by_priority", "inflight", "dead", "workers")
+STATS_FIELDS = ("pending", "pending_by_priority", "inflight", "dead", "workers", "tenants",
+                "tenants_other")
 
 
 @pytest.fixture
@@ -86,6 +87,8 @@ def test_state_holds_the_stats_workers_dead_letters_and_aging(redis_url: str, sc
                  message="two depth samples")
         html = board.get("").body
         assert f'data-queue="{scene["idle"]}"' in html and "<svg" in html
+        assert idle["tenants"] == {"default": {"pending": 4, "served_tokens": 0}}
+        assert 'data-tenant="default"' in html
         assert scene["dead_id"] in html and "RuntimeError" in html
         assert '"bad"' not in html
 

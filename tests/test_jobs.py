@@ -386,3 +386,24 @@ def test_jobs_worker_waits_for_redis_to_come_up(queue_name: str, tmp_path: Path)
         stop_process(jobs_worker)
         server.close()
     assert "Traceback" not in (tmp_path / "jobs.log").read_text()
+
+
+def test_two_jobs_submitted_together_both_feed_the_queue(
+        redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path) -> None:
+    """One `batchery job worker` with its defaults runs jobs side by side (--jobs 4): the
+    second job does not wait for the first; SIGTERM hands both back and exits 0."""
+    jobs_worker = start_jobs_worker(redis_url, jobs_queue)
+    try:
+        first = submit(redis_url, jobs_queue, queue_name, write_lines(tmp_path / "a.jsonl",
+                       requests(30, "a")), tmp_path / "a.out")
+        second = submit(redis_url, jobs_queue, queue_name, write_lines(tmp_path / "b.jsonl",
+                        requests(20, "b")), tmp_path / "b.out")
+        wait_for(lambda: _stats(redis_url, queue_name)["pending"] == 50, 60,
+                 message="both jobs' lines queued")  # no model worker: nothing runs them
+        assert {status(redis_url, j)["state"] for j in (first, second)} == {"running"}
+        tenants = _stats(redis_url, queue_name)["tenants"]
+        assert {t: v["pending"] for t, v in tenants.items()} == {first: 30, second: 20}
+    finally:
+        assert stop_process(jobs_worker) == 0
+    for job in (first, second):  # handed back to the jobs queue: the next worker resumes it
+        assert status(redis_url, job)["state"] == "queued"

@@ -44,7 +44,9 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
             wait_for(lambda: (s := scrape(port)) and value(s, "batchery_inflight", **q) == 4
                      and value(s, "batchery_queue_depth", **q, priority="batch") == 3
                      and value(s, "batchery_queue_depth", **q, priority="realtime") == 0
-                     and value(s, "batchery_queue_depth", **q, priority="normal") == 0, 20,
+                     and value(s, "batchery_queue_depth", **q, priority="normal") == 0
+                     and value(s, "batchery_tenant_queued", **q, tenant="default") == 3
+                     and value(s, "batchery_tenant_queued", **q, tenant="(other)") == 0, 20,
                      message="depth {batch: 3} and 4 in flight on /metrics")
             gate.unlink()
             results = [h.result(timeout=60) for h in [*first, *later]]
@@ -63,6 +65,8 @@ def test_metric_values_after_a_known_sequence(redis_url: str, queue_name: str,
     assert value(samples, "batchery_dead_letters_total", **q) == 1
     assert value(samples, "batchery_oom_backoffs_total", **q) == 0
     assert value(samples, "batchery_max_batch_size", **q) == 2  # --max-batch-size, in force
+    # tokens claimed for the one tenant: each claim of each request (echo-like inputs: 1+)
+    assert value(samples, "batchery_tenant_served_tokens", **q, tenant="default") >= 8
     # every successful run is one observation; each ok request ran once, "bad" never did
     runs = value(samples, "batchery_batch_size_count", **q)
     assert value(samples, "batchery_batch_size_sum", **q) == 6 and 3 <= runs <= 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import redis
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
-from batchery.batching.policy import Candidate, padded_tokens, rank, select_batch, settled_by
+from batchery.batching.messages import Request
+from batchery.batching.policy import (Backlog, Candidate, charged, fair_lookahead, padded_tokens,
+                                      rank, select_batch, settled_by)
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer
 
@@ -217,3 +220,55 @@ def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServ
         assert [r.id for r in reply.batch] == ["r0", "r1"]
         assert client.zscore(k.pending, "orphan") == (now + 10 if tokens[0] == 5 else None)
     client.close()
+
+
+@st.composite
+def tenant_cases(draw: st.DrawFn) -> tuple[list[list[int]], list[float], int, int, int]:
+    """Two or three tenants' requests (token counts), their weights, and a worker's
+    max_batch_size, max_batch_tokens and lookahead."""
+    n = draw(st.integers(2, 3))
+    queues = [draw(st.lists(st.integers(1, 40), min_size=1, max_size=25)) for _ in range(n)]
+    weights = [draw(st.sampled_from([1.0, 1.0, 2.0, 0.5])) for _ in range(n)]
+    return (queues, weights, draw(st.integers(1, 8)), draw(st.integers(1, 200)),
+            draw(st.integers(1, 30)))
+
+
+@given(tenant_cases())
+@settings(max_examples=60, deadline=None)
+def test_lua_fair_claims_agree_with_the_python_rule(redis_server: RedisServer, case: tuple) -> None:
+    """Tenants enqueued together, claimed until empty: each claim leases what
+    select_batch chooses from fair_lookahead over the counters charged() so far."""
+    token_lists, weights, max_size, max_tokens, lookahead = case
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, f"policy-fair-{next(FAIR_RUNS)}")
+    tenants = [f"t{i}" for i in range(len(token_lists))]
+    queue.update_settings(tenant_weights=dict(zip(tenants, weights)))
+    queued: dict[str, list[Candidate]] = {}
+    for tenant, tokens in zip(tenants, token_lists):
+        queue.enqueue([Request.validated(id=f"{tenant}-{i:02d}", input=i, priority="batch",
+                                         tokens=t, tenant=tenant) for i, t in enumerate(tokens)])
+        sched = client.hmget(queue.keys.sched, [f"{tenant}-{i:02d}" for i in range(len(tokens))])
+        queued[tenant] = [Candidate(id=f"{tenant}-{i:02d}", tokens=t, enqueued_ms=int(s.split(":")[2]),
+                                    rank=int(s.split(":")[3]))
+                          for i, (t, s) in enumerate(zip(tokens, sched))]
+    counters = dict.fromkeys(tenants, 0.0)
+    for n in range(200):
+        backlogs = [Backlog(t, counters[t], queued[t]) for t in tenants if queued[t]]
+        if not backlogs:
+            break
+        if len(backlogs) >= 2:
+            candidates = fair_lookahead(backlogs, max_tokens, lookahead)
+        else:
+            candidates = backlogs[0].queued[:lookahead]
+        reply = queue.claim(f"w#{n}", max_size, max_tokens, 0, lookahead)
+        if settled_by(candidates, reply.now_ms, max_size):
+            candidates = candidates[:max_size]
+        expected = select_batch(candidates, reply.now_ms, max_size, max_tokens, 0)
+        assert [r.id for r in reply.batch] == expected.batch, (n, counters)
+        for r in reply.batch:
+            counters[r.tenant] = charged(counters[r.tenant], r.tokens, weights[tenants.index(r.tenant)])
+            queued[r.tenant] = [c for c in queued[r.tenant] if c.id != r.id]
+    client.close()
+
+
+FAIR_RUNS = itertools.count()

@@ -72,7 +72,10 @@ class Claimer(threading.Thread):
         """Release ``batch`` to the queue if a more urgent request is pending; False: run it."""
         try:
             head = self.queue.head_rank()
-            if head is None or head >= min(r.rank for r in batch.requests):
+            # the rank it was chosen against: its own head's, or under fair share the
+            # class's oldest, which it passed over on purpose
+            against = min(r.chosen_against or r.rank for r in batch.requests)
+            if head is None or head >= against:
                 return False
             self.queue.release([(r.id, r.lease_token) for r in batch.requests])
         except redis.RedisError:

@@ -101,3 +101,4 @@ class Heartbeat(threading.Thread):
                 tracing.reaped(self.queue, reaped.requeued, reaped.dead)
         for priority, n in self.queue.depth().items():
             metrics.QUEUE_DEPTH.labels(self.queue.name, priority).set(n)
+        metrics.tenant_loads(self.queue.name, *self.queue.top_tenants())

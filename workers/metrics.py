@@ -31,6 +31,16 @@ QUEUE_DEPTH = Gauge("batchery_queue_depth", "Queued requests by class", ["queue"
 GENERATE_SECONDS = Counter("batchery_generate_seconds_total", "--task generate: time in its "
                            "decode loop by phase (model: forward passes; sampling: choosing "
                            "tokens; host: the rest, scheduling, Redis, text)", ["queue", "phase"])
+# Per tenant: the TENANTS_SHOWN most loaded (batching/inspection.py top_tenants) by name, the
+# rest summed under OTHER_TENANT, so a million job ids never make a million series.
+TENANT_QUEUED = Gauge("batchery_tenant_queued", "Queued requests (pending + retries) of the "
+                      "most loaded tenants; the rest summed as tenant=\"(other)\"",
+                      ["queue", "tenant"], multiprocess_mode="max")
+TENANT_SERVED = Gauge("batchery_tenant_served_tokens", "Tokens claimed for the most loaded "
+                      "tenants since the queue began (the rest summed as \"(other)\")",
+                      ["queue", "tenant"], multiprocess_mode="max")
+OTHER_TENANT = "(other)"
+_tenant_series: set[str] = set()
 REDIS_ERRORS_BY = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
                           "Redis refuses, e.g. out of memory) met by the worker, by operation",
                           ["queue", "operation"])
@@ -120,6 +130,23 @@ def queue_waits(now_ms: int, requests: Iterable[Any]) -> None:
         waits.setdefault(r.priority, []).append(max(0, now_ms - r.enqueued_ms) / 1000)
     for priority, seconds in waits.items():
         observe_all(queue_wait(priority), seconds)
+
+
+def tenant_loads(queue: str, shown: dict[str, dict[str, int]], other: dict[str, int]) -> None:
+    """Set the per-tenant gauges to ``queue``'s most loaded tenants and the rest; drop the
+    series of tenants no longer among them."""
+    loads = {**shown, OTHER_TENANT: other}
+    for tenant, load in loads.items():
+        TENANT_QUEUED.labels(queue, tenant).set(load["pending"])
+        TENANT_SERVED.labels(queue, tenant).set(load["served_tokens"])
+    for tenant in _tenant_series - set(loads):
+        for gauge in (TENANT_QUEUED, TENANT_SERVED):
+            try:
+                gauge.remove(queue, tenant)
+            except KeyError:
+                pass
+    _tenant_series.clear()
+    _tenant_series.update(loads)
 
 
 def serve(port: int) -> None:

@@ -49,13 +49,17 @@ local function setting(settings_key, name, default)
   return default
 end
 
--- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client"; tokens is "~N" while N
--- is the producer's estimate (no tokenizer there), until a worker writes the exact count
+-- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"; tokens is "~N"
+-- while N is the producer's estimate (no tokenizer there), until a worker writes the
+-- exact count. Entries written before tenants end at client: their tenant is 'default'.
+local DEFAULT_TENANT = 'default'
 local function parse_sched(s)
-  local mark, tokens, expire, enq, rank, class, client =
-    string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):(.*)$')
+  local mark, tokens, expire, enq, rank, class, client, tenant =
+    string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):([^:]*):?(.*)$')
+  if tenant == nil or tenant == '' then tenant = DEFAULT_TENANT end
   return {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
-          enq = tonumber(enq), rank = tonumber(rank), class = class, client = client}
+          enq = tonumber(enq), rank = tonumber(rank), class = class, client = client,
+          tenant = tenant}
 end
 
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
@@ -86,18 +90,126 @@ local function remember_reply(call_key, reply)
   return reply
 end
 
--- Put a request back in pending at its original rank (it keeps its place), counting its
--- class in `counts` for add_depth. s: its parsed sched entry.
-local function requeue(pending_key, id, s, counts)
-  rcall('ZADD', pending_key, s.rank, id)
-  counts[s.class] = (counts[s.class] or 0) + 1
+-- Queued requests (pending + delayed) per tenant are kept in the depth hash beside the
+-- classes, under TENANT_DEPTH .. tenant (a class name never holds ':'): what
+-- tenant_max_pending is checked against at enqueue.
+local TENANT_DEPTH = 'tenant:'
+
+-- Count n more queued requests of class and tenant in `counts`, for add_depth.
+local function count_queued(counts, class, tenant, n)
+  counts[class] = (counts[class] or 0) + n
+  local field = TENANT_DEPTH .. tenant
+  counts[field] = (counts[field] or 0) + n
 end
 
--- Counts per priority class, applied with one HINCRBY each.
+-- Counts per priority class (and per tenant), applied with one HINCRBY each; a tenant
+-- with nothing queued leaves the hash (a million job ids do not stay in it).
 local function add_depth(depth_key, counts)
-  for class, n in pairs(counts) do
-    if n ~= 0 then rcall('HINCRBY', depth_key, class, n) end
+  for field, n in pairs(counts) do
+    if n ~= 0 then
+      local now = rcall('HINCRBY', depth_key, field, n)
+      if now <= 0 and string.sub(field, 1, #TENANT_DEPTH) == TENANT_DEPTH then
+        rcall('HDEL', depth_key, field)
+      end
+    end
   end
+end
+
+-- Fair share between the tenants of a class (docs/fair-share.md). Three keys, K.fair,
+-- K.fair_tenants and K.vtc (batching/keys.py), all read by lex range or by field:
+--   fair:         "class\ttenant\trank\tid": each (class, tenant)'s sub-queue in rank order
+--   fair_tenants: "class\tcounter\ttenant": each class's backlogged tenants, least served
+--                 first (the counter is weighted tokens served, zero-padded)
+--   vtc:          "class\ttenant" -> counter; "class\t" -> the class's floor
+-- Tenants and ids hold no control character (messages.py check_name), classes no tab.
+local function fair_member(class, tenant, rank, id)
+  return class .. '\t' .. tenant .. '\t' .. string.format('%015d', rank) .. '\t' .. id
+end
+
+local function counter_text(c)
+  return string.format('%017.3f', c)
+end
+
+local function tenant_member(class, counter, tenant)
+  return class .. '\t' .. counter_text(counter) .. '\t' .. tenant
+end
+
+-- The lex range of one class's entries in fair_tenants, or one sub-queue's in fair.
+local function lex_range(prefix)
+  return '[' .. prefix .. '\t', '(' .. prefix .. '\n'
+end
+
+-- The backlogged tenants of class, least served first: {tenant, counter} each, at most n.
+local function fair_backlog(K, class, n)
+  local low, high = lex_range(class)
+  local out = {}
+  for _, m in ipairs(rcall('ZRANGE', K.fair_tenants, low, high, 'BYLEX', 'LIMIT', 0, n)) do
+    local counter, tenant = string.match(m, '^[^\t]*\t([^\t]*)\t(.*)$')
+    out[#out + 1] = {tenant = tenant, counter = tonumber(counter)}
+  end
+  return out
+end
+
+-- The counter a tenant that is not backlogged starts from: the least backlogged
+-- counter of its class, else the class's floor. Idle time banks no credit.
+local function fair_start(K, class)
+  local least = fair_backlog(K, class, 1)[1]
+  if least then return least.counter end
+  return tonumber(rcall('HGET', K.vtc, class .. '\t') or '0') or 0
+end
+
+-- The tenant's counter, and whether it is backlogged (listed in fair_tenants).
+local function fair_counter(K, class, tenant)
+  local own = tonumber(rcall('HGET', K.vtc, class .. '\t' .. tenant) or '')
+  if not own then return nil, false end
+  return own, rcall('ZSCORE', K.fair_tenants, tenant_member(class, own, tenant)) ~= false
+end
+
+-- Make (class, tenant) backlogged, its counter lifted to where its class's backlog is.
+local function fair_join(K, class, tenant)
+  local own, backlogged = fair_counter(K, class, tenant)
+  if backlogged then return end
+  local c = math.max(own or 0, fair_start(K, class))
+  rcall('HSET', K.vtc, class .. '\t' .. tenant, counter_text(c))
+  rcall('ZADD', K.fair_tenants, 0, tenant_member(class, c, tenant))
+end
+
+-- Whether the sub-queue of (class, tenant) holds anything.
+local function fair_has(K, class, tenant)
+  local low, high = lex_range(class .. '\t' .. tenant)
+  return #rcall('ZRANGE', K.fair, low, high, 'BYLEX', 'LIMIT', 0, 1) > 0
+end
+
+-- Add `tokens` served (0: none) to (class, tenant)'s counter at `weight`, and keep its
+-- place in fair_tenants: listed while its sub-queue holds anything. A tenant leaving
+-- with a counter at or below the class's floor is forgotten (it would start there).
+local function fair_charge(K, class, tenant, tokens, weight)
+  local field = class .. '\t' .. tenant
+  local own, backlogged = fair_counter(K, class, tenant)
+  if backlogged then rcall('ZREM', K.fair_tenants, tenant_member(class, own, tenant)) end
+  local c = (own or fair_start(K, class)) + tokens / weight
+  if fair_has(K, class, tenant) then
+    rcall('HSET', K.vtc, field, counter_text(c))
+    rcall('ZADD', K.fair_tenants, 0, tenant_member(class, c, tenant))
+  elseif c <= (tonumber(rcall('HGET', K.vtc, class .. '\t') or '0') or 0) then
+    rcall('HDEL', K.vtc, field)
+  else
+    rcall('HSET', K.vtc, field, counter_text(c))
+  end
+end
+
+-- Put a request in its (class, tenant) sub-queue. s: its parsed sched entry.
+local function fair_push(K, id, s)
+  rcall('ZADD', K.fair, 0, fair_member(s.class, s.tenant, s.rank, id))
+  fair_join(K, s.class, s.tenant)
+end
+
+-- Put a request back in pending at its original rank (it keeps its place) and in its
+-- sub-queue, counting it in `counts` for add_depth. s: its parsed sched entry.
+local function requeue(K, id, s, counts)
+  rcall('ZADD', K.pending, s.rank, id)
+  fair_push(K, id, s)
+  count_queued(counts, s.class, s.tenant, 1)
 end
 
 -- Every key a script touches is in KEYS, as Redis Cluster demands: after a script's

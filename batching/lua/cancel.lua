@@ -1,8 +1,8 @@
 -- cancel: cancel requests by id; queued ones never run, running ones are discarded.
 -- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
 -- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
--- KEYS[11] history
--- KEYS[12..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
+-- KEYS[11] history  KEYS[12] fair  KEYS[13] fair_tenants  KEYS[14] vtc
+-- KEYS[15..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
 --   then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] cancelled-lease key prefix
@@ -17,7 +17,8 @@
 -- text). The result committed here is the request's one result either way.
 local CANCELLED_LEASE_S = 60
 local K = named_keys({'pending', 'delayed', 'leased', 'owner', 'requests', 'sched',
-                      'attempts', 'settings', 'depth', 'stats', 'history'})
+                      'attempts', 'settings', 'depth', 'stats', 'history', 'fair',
+                      'fair_tenants', 'vtc'})
 local result_prefix, reply_prefix, cancelled_prefix = ARGV[1], ARGV[2], ARGV[4]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local flags, counts, gone = {}, {}, {}
@@ -43,7 +44,13 @@ for i = 5, #ARGV, 2 do
   end
   if flag == 1 or flag == 2 then
     local s = parse_sched(raw)
-    if flag == 1 then counts[s.class] = (counts[s.class] or 0) - 1 end
+    if flag == 1 then
+      count_queued(counts, s.class, s.tenant, -1)
+      -- out of its sub-queue now, not when a claim would find it gone
+      if rcall('ZREM', K.fair, fair_member(s.class, s.tenant, s.rank, id)) == 1 then
+        fair_charge(K, s.class, s.tenant, 0, 1)
+      end
+    end
     commit_result(result_prefix, reply_prefix, id, s.client, ARGV[i + 1], ttl)
     gone[#gone + 1] = id
   end

@@ -9,6 +9,8 @@
 -- KEYS[8] settings   HASH
 -- KEYS[9] depth      HASH class -> queued count
 -- KEYS[10] claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
+-- KEYS[11] fair  KEYS[12] fair_tenants  KEYS[13] vtc   the tenants' sub-queues and
+--          counters (_common.lua fair_*)   KEYS[14] served  HASH tenant -> tokens claimed
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
@@ -23,9 +25,11 @@
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
 --         counted again by their worker, and again if they come back for a retry).
--- Returns {now_ms, wait_ms, n_expired, ids..., payloads..., scheds..., attempts...,
---   ahead_ids..., ahead_payloads..., n_ahead} when it leased something, with n = #ids
---   and n_ahead = #ahead_ids: with ARGV[7] = 1, the estimated requests next in line
+-- Returns {now_ms, wait_ms, n_expired, head_rank, ids..., payloads..., scheds...,
+--   attempts..., ahead_ids..., ahead_payloads..., n_ahead} when it leased something, with
+--   n = #ids and n_ahead = #ahead_ids. head_rank: the rank of the most urgent pending
+--   request when the batch was chosen (a request ranked before it later is more urgent
+--   than anything then). ahead: with ARGV[7] = 1, the estimated requests next in line
 --   (the next batch's candidates), handed to the worker to count while this batch runs
 --   and to send with its next claim, which then needs no pricing round (a round trip
 --   per batch saved). The first n_expired ids are past their deadline (leased so the
@@ -35,11 +39,18 @@
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
 --   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
 --   estimate (scheds and attempts empty): count them, claim again with the counts.
+-- Fair share (docs/fair-share.md): the class of the most urgent pending request is
+-- served. When two or more of its tenants are backlogged, the batch's head is the first
+-- of the least served tenant's sub-queue and the candidates are that tenant's, then the
+-- next ones' by counter (those within max_batch_tokens of the least: the bound), read
+-- the same lazy way; else the candidates are the global lookahead as before. Either way
+-- each claimed request's tokens / its tenant's weight are added to the tenant's counter.
 -- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
 local K = named_keys({'pending', 'delayed', 'sched', 'requests', 'attempts', 'leased',
-                      'owner', 'settings', 'depth', 'claim'})
+                      'owner', 'settings', 'depth', 'claim', 'fair', 'fair_tenants', 'vtc',
+                      'served'})
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -57,9 +68,9 @@ local now = now_ms()
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
 -- expired ones first; scheds: their entries when the caller holds them already.
-local function reply_for(wait, out_ids, n_expired, scheds, ahead)
+local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   if #out_ids == 0 then return {now, wait, 0} end
-  local reply = {now, wait, n_expired}
+  local reply = {now, wait, n_expired, head_rank or 0}
   for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
   for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
                            scheds or rcall('HMGET', K.sched, unpack(out_ids)),
@@ -96,7 +107,7 @@ local function write_counts(taken)
 end
 
 -- A remembered claim's reply: the ids of its batch still leased to this token.
-local function leased_reply(wait, expired_ids, batch_ids)
+local function leased_reply(wait, expired_ids, batch_ids, head_rank)
   local out_ids, n_expired = {}, 0
   for part, list in ipairs({expired_ids, batch_ids}) do
     for _, id in ipairs(list) do
@@ -106,13 +117,13 @@ local function leased_reply(wait, expired_ids, batch_ids)
       end
     end
   end
-  return reply_for(wait, out_ids, n_expired)
+  return reply_for(wait, out_ids, n_expired, nil, head_rank)
 end
 
 local remembered = rcall('GET', K.claim)
 if remembered then
   local c = cjson.decode(remembered)
-  return leased_reply(c.wait, c.expired, c.batch)
+  return leased_reply(c.wait, c.expired, c.batch, c.head)
 end
 
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
@@ -122,15 +133,18 @@ if setting(K.settings, 'paused', 0) ~= 0 then return {now, PAUSED_WAIT_MS, 0} en
 local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
 if #due > 0 then
   local scheds = rcall('HMGET', K.sched, unpack(due))
-  local zargs = {}
+  local zargs, back = {}, {}
   for i, id in ipairs(due) do
     if scheds[i] then
-      zargs[#zargs + 1] = parse_sched(scheds[i]).rank
+      local s = parse_sched(scheds[i])
+      zargs[#zargs + 1] = s.rank
       zargs[#zargs + 1] = id
+      back[#back + 1] = {id, s}
     end
   end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('ZREM', K.delayed, due)
+  for _, entry in ipairs(back) do fair_push(K, entry[1], entry[2]) end
 end
 
 -- Candidates are read lazily: first as many as a batch holds. When those are all live,
@@ -139,16 +153,117 @@ end
 -- rest of the lookahead is not read: a fixed-length or no-op workload reads each request
 -- once, not lookahead / batch size times. Otherwise the claim reads on to `lookahead`.
 -- (batching/policy.py settled_by states the same rule.)
+-- The fair-share reader of class: its backlogged tenants within `quantum` of the least
+-- served, each one's sub-queue in rank order, in counter order; nil when fewer than two
+-- of them are backlogged or the global head is not in its sub-queue (it is served by
+-- the global lookahead then, so no request is out of reach). r.read(count) gives the
+-- next `count` ids still pending at their rank; the entries found stale (cancelled,
+-- claimed as another id's, enqueued again) are listed in r.stale to drop.
+local FAIR_TENANTS_READ = 64  -- tenants one claim may draw from: bounds its time
+local function fair_reader(head)
+  local raw = head and rcall('HGET', K.sched, head)
+  if not raw then return nil end
+  local s = parse_sched(raw)
+  if not rcall('ZSCORE', K.fair, fair_member(s.class, s.tenant, s.rank, head)) then return nil end
+  local backlog = fair_backlog(K, s.class, FAIR_TENANTS_READ)
+  if #backlog < 2 then return nil end
+  local r = {class = s.class, i = 1, after = nil, stale = {}, tenants = {}}
+  for _, t in ipairs(backlog) do
+    if t.counter > backlog[1].counter + max_tokens then break end
+    r.tenants[#r.tenants + 1] = t.tenant
+  end
+  function r.read(count)
+    local out = {}
+    while #out < count and r.i <= #r.tenants do
+      local low, high = lex_range(r.class .. '\t' .. r.tenants[r.i])
+      local entries = rcall('ZRANGE', K.fair, r.after and '(' .. r.after or low, high,
+                            'BYLEX', 'LIMIT', 0, count - #out)
+      local done = #entries < count - #out
+      for _, m in ipairs(entries) do
+        r.after = m
+        local rank, id = string.match(m, '^[^\t]*\t[^\t]*\t(%d+)\t(.*)$')
+        if ceiling and tonumber(rank) > tonumber(ceiling) then done = true; break end
+        local score = rcall('ZSCORE', K.pending, id)
+        if score and tonumber(score) == tonumber(rank) then out[#out + 1] = id
+        else r.stale[#r.stale + 1] = {m, r.class, r.tenants[r.i]} end
+      end
+      if done then r.i, r.after = r.i + 1, nil end
+    end
+    return out
+  end
+  return r
+end
+
+-- Settle a claim in the fair-share state: the taken requests ({id, sched, served}) leave
+-- their sub-queues and the queued counts (`counts`, for add_depth); the served ones'
+-- tokens are charged to their tenants at their weights, after each class's floor is
+-- raised to its least backlogged counter; the stale entries ({member, class, tenant})
+-- are dropped. Each tenant touched keeps its place in fair_tenants while it has work.
+local function fair_settle(taken, stale, counts)
+  local members, touched, served = {}, {}, {}
+  local function touch(class, tenant, tokens)
+    local key = class .. '\t' .. tenant
+    local t = touched[key] or {class = class, tenant = tenant, tokens = 0}
+    t.tokens = t.tokens + tokens
+    touched[key] = t
+  end
+  for _, e in ipairs(stale) do
+    members[#members + 1] = e[1]
+    touch(e[2], e[3], 0)
+  end
+  for _, e in ipairs(taken) do
+    local s = parse_sched(e.sched)
+    members[#members + 1] = fair_member(s.class, s.tenant, s.rank, e.id)
+    count_queued(counts, s.class, s.tenant, -1)
+    local tokens = e.served and s.tokens or 0
+    touch(s.class, s.tenant, tokens)
+    served[s.tenant] = (served[s.tenant] or 0) + tokens
+  end
+  if #members > 0 then call_chunked('ZREM', K.fair, members) end
+  local floors = {}
+  for _, t in pairs(touched) do
+    if t.tokens > 0 and not floors[t.class] then
+      floors[t.class] = true
+      local floor_field = t.class .. '\t'
+      local least = fair_start(K, t.class)
+      if least > (tonumber(rcall('HGET', K.vtc, floor_field) or '0') or 0) then
+        rcall('HSET', K.vtc, floor_field, counter_text(least))
+      end
+    end
+  end
+  for _, t in pairs(touched) do
+    local weight = tonumber(rcall('HGET', K.settings, 'tenant_weight:' .. t.tenant) or '1') or 1
+    fair_charge(K, t.class, t.tenant, t.tokens, weight > 0 and weight or 1)  -- (checked: > 0)
+  end
+  for tenant, tokens in pairs(served) do
+    if tokens > 0 then rcall('HINCRBY', K.served, tenant, tokens) end
+  end
+end
+
 -- `count` pending ids from `offset` on, in rank order, none ranked above the ceiling
-local function pending_ids(offset, count)
+local function global_ids(offset, count)
   if ceiling then
     return rcall('ZRANGEBYSCORE', K.pending, '-inf', ceiling, 'LIMIT', offset, count)
   end
   return rcall('ZRANGE', K.pending, offset, offset + count - 1)
 end
+local head_id = global_ids(0, 1)[1]
+local head_rank = head_id and tonumber(rcall('ZSCORE', K.pending, head_id)) or 0
+local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(head_id) or nil
+-- the next `count` candidates (read in turn: `offset` is where the last read ended)
+local function pending_ids(offset, count)
+  if fair then return fair.read(count) end
+  return global_ids(offset, count)
+end
 local window = math.min(max_size, lookahead)
 local ids = pending_ids(0, window)
+local stale = fair and fair.stale or {}
+if fair and #ids == 0 then  -- nothing live within reach: the global lookahead serves
+  fair = nil
+  ids = pending_ids(0, window)
+end
 if #ids == 0 then
+  fair_settle({}, stale, {})
   -- all above the ceiling (another shard's head came first since it was read): ask again
   if ceiling and rcall('ZCARD', K.pending) > 0 then return {now, 1, 0} end
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
@@ -201,6 +316,7 @@ for j = 2, #live do
 end
 if not settled and #ids == window and window < lookahead then
   local more = pending_ids(window, lookahead - window)
+  stale = fair and fair.stale or stale
   if #more > 0 then
     local more_scheds = rcall('HMGET', K.sched, unpack(more))
     for n = 1, #more do ids[window + n], scheds[window + n] = more[n], more_scheds[n] end
@@ -267,29 +383,33 @@ for _, i in ipairs(batch) do take[#take + 1] = i end
 local taken = {}
 for _, i in ipairs(take) do taken[ids[i]] = true end
 write_counts(taken)
-if #take == 0 then return {now, wait, 0} end
+if #take == 0 then
+  fair_settle({}, stale, {})
+  return {now, wait, 0}
+end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
-local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
+local out_ids, out_scheds, zargs, oargs, counts, settled_ids = {}, {}, {}, {}, {}, {}
 local expired_ids, batch_ids = {}, {}
 for n, i in ipairs(take) do
-  local id, class = ids[i], string.match(scheds[i], '^[^:]*:[^:]*:[^:]*:[^:]*:([^:]*):')
+  local id = ids[i]
   out_ids[n], out_scheds[n] = id, scheds[i]
+  settled_ids[n] = {id = id, sched = scheds[i], served = n > #expired}
   if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
   zargs[#zargs + 1] = expiry
   zargs[#zargs + 1] = id
   oargs[#oargs + 1] = id
   oargs[#oargs + 1] = token
-  counts[class] = (counts[class] or 0) - 1
 end
+fair_settle(settled_ids, stale, counts)
 call_chunked('ZREM', K.pending, out_ids)
 call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
 add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
-rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids}),
-      'PX', lease_ms)
+rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids,
+                                   head = head_rank}), 'PX', lease_ms)
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
 -- its next claim will read (a batch's worth from the new head). A candidate taken by
 -- another worker in between costs nothing but its count's bytes; one still estimated
@@ -304,4 +424,4 @@ if price_estimates then
     end
   end
 end
-return reply_for(wait, out_ids, #expired_ids, out_scheds, ahead)
+return reply_for(wait, out_ids, #expired_ids, out_scheds, head_rank, ahead)

@@ -1,7 +1,7 @@
 -- enqueue: accept requests into a queue, idempotent by id, all or nothing.
 -- KEYS[1] pending    ZSET id -> rank
 -- KEYS[2] requests   HASH id -> request JSON
--- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"
 -- KEYS[4] settings   HASH (QueueSettings)
 -- KEYS[5] wake       LIST idle workers block on
 -- KEYS[6] depth      HASH class -> queued count
@@ -9,7 +9,9 @@
 -- KEYS[8] stats      HASH of totals
 -- KEYS[9] dead       ZSET dead letters   KEYS[10] attempts   KEYS[11] history
 -- KEYS[12] call       STRING this call's reply, remembered (see Returns)
--- KEYS[13..] the result key of each request, in ARGV's order
+-- KEYS[13] fair  KEYS[14] fair_tenants  KEYS[15] vtc   the tenants' sub-queues and
+--         counters (_common.lua fair_*; docs/fair-share.md)
+-- KEYS[16..] the result key of each request, in ARGV's order
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -18,13 +20,15 @@
 -- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
 -- ARGV[7] the shard count the caller routed by (QueueSettings.shards as it read them)
--- ARGV[8..] groups of 5: id, priority (class name or integer seconds), tokens ("~N": an estimate),
---           deadline in ms from now (0 = none), request JSON
+-- ARGV[8..] groups of 6: id, priority (class name or integer seconds), tokens ("~N": an estimate),
+--           deadline in ms from now (0 = none), tenant, request JSON
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
 --         repeated within the call is accepted once, with its first payload);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
 --         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
---         'memory' (detail: "used_memory/maxmemory"), 'shards' (detail: the shard
+--         'memory' (detail: "used_memory/maxmemory"), 'tenant_full' (index: the first
+--         request of a tenant over its tenant_max_pending, detail: that limit, then the
+--         shard count), 'shards' (detail: the shard
 --         count stored here, which the caller's ARGV[7] differs from: route again);
 --         nothing is written then. 'full' gives the shard count as its index: each
 --         shard holds at most ceil(max_pending / shards).
@@ -32,7 +36,9 @@
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
 local K = named_keys({'pending', 'requests', 'sched', 'settings', 'wake', 'depth',
-                      'delayed', 'stats', 'dead', 'attempts', 'history', 'call'})
+                      'delayed', 'stats', 'dead', 'attempts', 'history', 'call',
+                      'fair', 'fair_tenants', 'vtc'})
+local FIXED, GROUP = 15, 6  -- fixed keys; ARGV values per request
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
@@ -80,20 +86,20 @@ local function over_high_water(incoming)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
-local n = (#ARGV - 7) / 5
+local n = (#ARGV - 7) / GROUP
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
 -- longer blocks its id: its leftovers are dropped and the id runs afresh.
 -- Two reads for the whole call, not two per request: how many have a result (none, on a
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 local ids, result_keys = {}, {}
--- the result keys are KEYS[13..] in ARGV's order (batching/calls.py enqueue_call): taken
+-- the result keys are KEYS[16..] in ARGV's order (batching/calls.py enqueue_call): taken
 -- as declared, not built again per request; the count and the ends checked
 for i = 1, n do
-  ids[i] = ARGV[7 + (i - 1) * 5 + 1]
-  result_keys[i] = KEYS[12 + i]
+  ids[i] = ARGV[7 + (i - 1) * GROUP + 1]
+  result_keys[i] = KEYS[FIXED + i]
 end
-if #KEYS ~= 12 + n or (n > 0 and (result_keys[1] ~= result_prefix .. ids[1]
+if #KEYS ~= FIXED + n or (n > 0 and (result_keys[1] ~= result_prefix .. ids[1]
                                   or result_keys[n] ~= result_prefix .. ids[n])) then
   error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
 end
@@ -108,9 +114,10 @@ local function known(i, id)
   end
   return true
 end
+local by_tenant, first_of = {}, {}  -- fresh requests per tenant; its first index
 for i = 1, n do
-  local base = 7 + (i - 1) * 5
-  local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 5]
+  local base = 7 + (i - 1) * GROUP
+  local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 6]
   if known(i, id) then
     status[i] = 0  -- known already, or earlier in this call: the first one stands
   else
@@ -119,11 +126,22 @@ for i = 1, n do
     if not delay_of(priority) then return {0, 'priority', i, priority} end
     status[i] = 1
     fresh = fresh + 1
+    local tenant = ARGV[base + 5]
+    by_tenant[tenant] = (by_tenant[tenant] or 0) + 1
+    first_of[tenant] = first_of[tenant] or i
     incoming = incoming + #payload + #id + REQUEST_OVERHEAD
   end
 end
 if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
   return {0, 'full', shards, max_total}
+end
+-- a tenant over its own limit is refused, all or nothing; other tenants are not affected
+for tenant, more in pairs(by_tenant) do
+  local most = tonumber(rcall('HGET', K.settings, 'tenant_max_pending:' .. tenant) or '0') or 0
+  if most > 0 and tonumber(rcall('HGET', K.depth, TENANT_DEPTH .. tenant) or '0') + more
+                  > math.ceil(most / shards) then
+    return {0, 'tenant_full', first_of[tenant], most, shards}
+  end
 end
 if fresh > 0 then
   local memory = over_high_water(incoming)
@@ -146,20 +164,23 @@ local function written(priority)
   end
   return w
 end
-local zargs, hargs, sargs, counts = {}, {}, {}, {}
+local zargs, hargs, sargs, fargs, counts, joined = {}, {}, {}, {}, {}, {}
 for i = 1, n do
   if status[i] == 1 then
-    local base = 7 + (i - 1) * 5
-    local id, w = ARGV[base + 1], written(ARGV[base + 2])
+    local base = 7 + (i - 1) * GROUP
+    local id, w, tenant = ARGV[base + 1], written(ARGV[base + 2]), ARGV[base + 5]
     local deadline = tonumber(ARGV[base + 4])
     local expire = deadline > 0 and fmt_int(now + deadline) or '0'
     zargs[#zargs + 1] = w.rank
     zargs[#zargs + 1] = id
     hargs[#hargs + 1] = id
-    hargs[#hargs + 1] = ARGV[base + 5]
+    hargs[#hargs + 1] = ARGV[base + 6]
     sargs[#sargs + 1] = id
-    sargs[#sargs + 1] = ARGV[base + 3] .. ':' .. expire .. w.tail
-    counts[w.class] = (counts[w.class] or 0) + 1
+    sargs[#sargs + 1] = ARGV[base + 3] .. ':' .. expire .. w.tail .. ':' .. tenant
+    fargs[#fargs + 1] = 0
+    fargs[#fargs + 1] = fair_member(w.class, tenant, tonumber(w.rank), id)
+    joined[w.class .. '\t' .. tenant] = {w.class, tenant}
+    count_queued(counts, w.class, tenant, 1)
   end
 end
 if fresh > 0 then
@@ -171,6 +192,8 @@ if fresh > 0 then
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('HSET', K.requests, hargs)
   call_chunked('HSET', K.sched, sargs)
+  call_chunked('ZADD', K.fair, fargs)
+  for _, pair in pairs(joined) do fair_join(K, pair[1], pair[2]) end
   add_depth(K.depth, counts)
   rcall('HINCRBY', K.stats, 'enqueued', fresh)
   rcall('RPUSH', K.wake, 1)

@@ -54,7 +54,7 @@ for i = 1, (#ARGV - 7) / 3 do
     else
       local wait = math.min(cap_ms, base_ms * math.pow(2, failures - 1))
       rcall('ZADD', K.delayed, now + math.floor(wait), id)
-      if s.class ~= '' then counts[s.class] = (counts[s.class] or 0) + 1 end  -- '': no sched
+      if s.class ~= '' then count_queued(counts, s.class, s.tenant, 1) end  -- '': no sched
       flags[i], retried = 1, retried + 1
     end
   end

@@ -1,9 +1,11 @@
 -- release: give back claims a worker will not run (it is shutting down); no attempt counts.
 -- KEYS[1] leased  KEYS[2] owner  KEYS[3] pending  KEYS[4] sched  KEYS[5] depth
+-- KEYS[6] fair  KEYS[7] fair_tenants  KEYS[8] vtc
 -- ARGV[1..] pairs: id, lease token
 -- Each still held by that token returns to pending at its original rank.
 -- Returns the number released.
-local K = named_keys({'leased', 'owner', 'pending', 'sched', 'depth'})
+local K = named_keys({'leased', 'owner', 'pending', 'sched', 'depth', 'fair',
+                      'fair_tenants', 'vtc'})
 local released, counts = 0, {}
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]
@@ -12,7 +14,7 @@ for i = 1, #ARGV, 2 do
     local s = parse_sched(raw)
     rcall('HDEL', K.owner, id)
     rcall('ZREM', K.leased, id)
-    requeue(K.pending, id, s, counts)
+    requeue(K, id, s, counts)
     released = released + 1
   end
 end

@@ -21,7 +21,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batchery.batching.messages import check_priority, unknown_class
+from batchery.batching.messages import check_priority, check_tenant, unknown_class
 from batchery.batching.sharded import open_queue
 from batchery.batching.keys import check_queue_name
 from batchery.config import DEFAULT_QUEUE
@@ -51,16 +51,19 @@ def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None
            queue: str = DEFAULT_QUEUE, priority: str | int = DEFAULT_PRIORITY,
            max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, retries: int = DEFAULT_RETRIES,
            overwrite: bool = False, jobs_queue: str = JOBS_QUEUE, output_format: str = "batchery",
-           expires_at: float | None = None, meta: dict[str, Any] | None = None) -> Job:
+           expires_at: float | None = None, meta: dict[str, Any] | None = None,
+           tenant: str | None = None) -> Job:
     """Check the files, create the outputs, and enqueue the RQ job. Raises ConfigError.
     ``output_format`` "openai" writes OpenAI's batch output and error lines; ``expires_at``
-    (epoch seconds) is every request's deadline; ``meta`` joins the RQ job's meta."""
+    (epoch seconds) is every request's deadline; ``meta`` joins the RQ job's meta;
+    ``tenant``: whose fair share the job's lines are served from (None: the job id's)."""
     check_queue_name(queue)
     if max_in_flight < 1:
         raise ConfigError(f"--max-in-flight must be at least 1, got {max_in_flight}")
     if retries < 0:
         raise ConfigError(f"--retries must be 0 or more, got {retries}")
     priority = check_priority(priority)
+    tenant = None if tenant is None else check_tenant(tenant)
     with text_client(conn) as text:
         classes = open_queue(text, queue).settings().class_delays
     why = unknown_class(priority, classes)
@@ -82,7 +85,7 @@ def submit(conn: redis.Redis, input: str, output: str, errors: str | None = None
                    priority=int(priority) if priority.isdigit() else priority,
                    max_in_flight=max_in_flight, input_size=stat.st_size,
                    input_mtime_ns=stat.st_mtime_ns, output_format=output_format,
-                   expires_at=expires_at)
+                   expires_at=expires_at, tenant=tenant)
     try:
         return rq_queue(conn, jobs_queue).enqueue_call(
             JOB_FUNC, kwargs=asdict(spec), job_id=secrets.token_hex(6), timeout=-1,

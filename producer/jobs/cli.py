@@ -20,11 +20,16 @@ from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer.jobs import bookkeeping as jobs
 from batchery.producer.jobs.files import OPENAI
+from batchery.producer.jobs.pool import run_pool
 from batchery.producer.jobs.worker import HEARTBEAT_S, JobsWorker, worker_command
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.5
 RESTART_CAP_S = 10.0
+# Jobs one `batchery job worker` runs side by side: two jobs submitted together both feed
+# the queue (and share it by tenant, docs/fair-share.md); each is a light process.
+DEFAULT_JOBS = 4
+MAX_JOBS = 64
 TERMINAL = (jobs.FINISHED, jobs.FAILED, jobs.CANCELLED)
 
 
@@ -43,6 +48,8 @@ def job_group() -> None:
 @click.option("--errors", help="Where invalid lines go [default: OUTPUT with .errors.jsonl].")
 @click.option("--priority", "-p", default=jobs.DEFAULT_PRIORITY, show_default=True,
               help="For lines that name none: realtime, normal, batch, or a delay in seconds.")
+@click.option("--tenant", help="Whose fair share of the queue's class the lines that name "
+              "no tenant are served from [default: the job's own id].")
 @click.option("--max-in-flight", type=int, default=jobs.DEFAULT_MAX_IN_FLIGHT, show_default=True,
               help="Lines queued at once.")
 @click.option("--retries", type=int, default=jobs.DEFAULT_RETRIES, show_default=True,
@@ -56,21 +63,23 @@ def job_group() -> None:
 @json_option
 @queue_option
 @redis_options
-def submit(input_path: str, output: str, errors: str | None, priority: str, max_in_flight: int,
-           retries: int, overwrite: bool, output_format: str, jobs_queue: str, as_json: bool,
-           queue: str, redis_url: str, cluster: bool) -> None:
+def submit(input_path: str, output: str, errors: str | None, priority: str,
+           tenant: str | None, max_in_flight: int, retries: int, overwrite: bool,
+           output_format: str, jobs_queue: str, as_json: bool, queue: str, redis_url: str,
+           cluster: bool) -> None:
     """Run a JSONL file of requests as an offline job; prints the job id.
 
     Each line is an object: custom_id (or id), input, and optionally priority,
-    deadline, tokens, meta; or an OpenAI batch line (custom_id, method, url, body), as
-    the OpenAI Batch API and `vllm run-batch` take it. Results go to OUTPUT as lines complete; invalid lines go
+    deadline, tokens, meta, tenant; or an OpenAI batch line (custom_id, method, url,
+    body), as the OpenAI Batch API and `vllm run-batch` take it. Results go to OUTPUT as
+    lines complete; invalid lines go
     to the errors file with their line number and reason.
     """
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
     conn = settings.binary_client()
     job = jobs.submit(conn, input_path, output, errors, queue=queue, priority=parse_priority(priority),
                       max_in_flight=max_in_flight, retries=retries, overwrite=overwrite,
-                      jobs_queue=jobs_queue, output_format=output_format)
+                      jobs_queue=jobs_queue, output_format=output_format, tenant=tenant)
     spec = jobs.spec_of(job)
     if as_json:
         print_json({"id": job.id, "queue": spec.queue, "input": spec.input,
@@ -245,16 +254,26 @@ def cancel(job_id: str, as_json: bool, redis_url: str, cluster: bool) -> None:
               help="A running job's heartbeat; a job silent for 3 beats (its worker died) "
                    "is re-run by RQ, resuming.")
 @click.option("--burst", is_flag=True, help="Run the queued jobs, then exit.")
-@click.option("--name", help="Worker name (default: random).")
+@click.option("--name", help="Worker name (default: random; with --jobs N, NAME-1..NAME-N).")
+@click.option("--jobs", "n_jobs", type=int, default=DEFAULT_JOBS, show_default=True,
+              help="Offline jobs run side by side, each by its own RQ worker process (one "
+              "RQ worker runs one job at a time): jobs submitted together all feed the queue.")
 @jobs_queue_option
 @redis_options
-def jobs_worker(heartbeat: int, burst: bool, name: str | None, jobs_queue: str, redis_url: str,
-                cluster: bool) -> None:
-    """Run offline jobs (an RQ worker on the jobs queue, JSON serializer)."""
+def jobs_worker(heartbeat: int, burst: bool, name: str | None, n_jobs: int, jobs_queue: str,
+                redis_url: str, cluster: bool) -> None:
+    """Run offline jobs (RQ workers on the jobs queue, JSON serializer)."""
     from rq.serializers import JSONSerializer
     if heartbeat < 1:
         raise ConfigError(f"--heartbeat must be at least 1 second, got {heartbeat}")
+    if not 1 <= n_jobs <= MAX_JOBS:
+        raise ConfigError(f"--jobs must be 1..{MAX_JOBS}, got {n_jobs}")
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
+    if n_jobs > 1:
+        common = ["--heartbeat", str(heartbeat), "--jobs-queue", jobs_queue,
+                  *(["--burst"] if burst else []), *(["--cluster"] if cluster else [])]
+        raise SystemExit(run_pool([common + (["--name", f"{name}-{i}"] if name else [])
+                                   for i in range(1, n_jobs + 1)], settings.resolved_url()))
     click.echo(f"jobs worker on RQ queue {jobs_queue!r}, redis {settings.describe()}", err=True)
     backoff = 0.5
     while True:  # like `batchery worker`: Redis away is a pause, not an exit

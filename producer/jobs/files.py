@@ -99,9 +99,11 @@ class LineParser:
     """Turns input lines into Lines (with namespaced request ids) or Invalids."""
 
     def __init__(self, job_id: str, priority: str | int, settings: QueueSettings,
-                 count: Callable[[Any], int | None], expires_at: float | None = None) -> None:
+                 count: Callable[[Any], int | None], expires_at: float | None = None,
+                 tenant: str | None = None) -> None:
         self.job_id, self.priority, self.settings, self.count = job_id, priority, settings, count
         self.expires_at = expires_at  # epoch seconds: each request's deadline (a batch's window)
+        self.tenant = job_id if tenant is None else tenant  # for lines that name none
         self.max_id = MAX_ID_LENGTH - len(job_id) - 1
         self.seen = IdSet()
 
@@ -175,7 +177,7 @@ class LineParser:
         unknown = set(obj) - {*ID_FIELDS, *REQUEST_FIELDS}
         if unknown:
             return Invalid(number, value, "invalid", f"unknown field(s) {sorted(unknown)}; allowed: "
-                           "custom_id (or id), input, priority, deadline, tokens, meta")
+                           "custom_id (or id), input, priority, deadline, tokens, meta, tenant")
         if "input" not in obj:
             return Invalid(number, value, "no_input", 'line has no "input"')
         request_id = f"{self.job_id}:{value}" if value is not None else f"{self.job_id}#{number}"
@@ -186,7 +188,7 @@ class LineParser:
         if self.expires_at is not None:
             fields.setdefault("deadline", max(self.expires_at - time.time(), 0.001))
         try:
-            request = make_request(fields, _no_new_ids, self.count)
+            request = make_request(fields, _no_new_ids, self.count, self.tenant)
             size = len(request.payload())
         except InvalidRequest as exc:  # its message names the namespaced id: drop that
             return Invalid(number, value, "invalid", str(exc).replace(f"request {request_id!r}: ", ""))

@@ -104,7 +104,8 @@ class JobRun:
                 self._publish(RUNNING)
                 self.queue.register()
                 parser = LineParser(self.job.id, self.spec.priority, settings,
-                                    QueueCounter(self.queue.settings), self.spec.expires_at)
+                                    QueueCounter(self.queue.settings),
+                                    expires_at=self.spec.expires_at, tenant=self.spec.tenant)
                 phase = self._stream(parser, written.lines)
                 if phase == FINISHED:
                     self._publish(FINALIZING)

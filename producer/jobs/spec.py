@@ -32,6 +32,7 @@ class JobSpec:
     input_mtime_ns: int
     output_format: str = "batchery"   # or "openai": OpenAI's batch output and error lines
     expires_at: float | None = None   # epoch seconds: every request's deadline (a batch's window)
+    tenant: str | None = None  # for lines that name none; None: the job's own id
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "JobSpec":

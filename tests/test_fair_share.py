@@ -1,0 +1,153 @@
+"""Weighted fair share between the tenants of a class (docs/fair-share.md), over real
+claims against a real Redis: the service bound, no credit for idle time, and the
+sub-queues kept in step with pending through cancel, release, retries and the reaper."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import redis
+
+from batchery.batching.messages import Request, Result
+from batchery.batching.queue import RequestQueue
+from tests.conftest import wait_for
+
+MAX_SIZE, BUDGET = 8, 64  # a claim's max_batch_size and max_batch_tokens (padded)
+TOKENS = itertools.count()  # a claim token names one claim: each claim gets its own
+
+
+@pytest.fixture
+def queue(rconn: redis.Redis, queue_name: str) -> RequestQueue:
+    return RequestQueue(rconn, queue_name)
+
+
+def enqueue(queue: RequestQueue, tenant: str, n: int, seed: int, priority: str = "batch") -> None:
+    rng = random.Random(seed)
+    queue.enqueue([Request.validated(id=f"{tenant}-{seed}-{i}", input="x", priority=priority,
+                                     tokens=rng.randint(1, 16), tenant=tenant)
+                   for i in range(n)])
+
+
+def bound(weights: dict[str, float]) -> float:
+    """The docs' bound for tenants that start level: Q + T / w_min, Q = T = the budget
+    (no request is longer than it)."""
+    return BUDGET + BUDGET / min(weights.values())
+
+
+def claim_all(queue: RequestQueue, weights: dict[str, float], check_from: int = 0) -> list[float]:
+    """Claim until the queue is empty; after each claim while every tenant is backlogged,
+    record the largest gap between two tenants' weighted tokens served since claim number
+    ``check_from``. Returns those gaps."""
+    served = dict.fromkeys(weights, 0.0)
+    left = {t: sum(1 for i in queue.client.zrange(queue.keys.pending, 0, -1) if i.startswith(t + "-"))
+            for t in weights}
+    gaps, n = [], 0
+    while any(left.values()):
+        reply = queue.claim(f"w#{next(TOKENS)}", MAX_SIZE, BUDGET, 0, 256)
+        assert reply.batch, reply
+        both = all(left.values())
+        for r in reply.batch:
+            left[r.tenant] -= 1
+            if n >= check_from:
+                served[r.tenant] += r.tokens / weights[r.tenant]
+        if both and n >= check_from:
+            gaps.append(max(served.values()) - min(served.values()))
+        n += 1
+    return gaps
+
+
+@pytest.mark.parametrize("weights", [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0},
+                                     {"a": 1.0, "b": 1.0, "c": 2.0}])
+def test_backlogged_tenants_served_tokens_stay_within_the_bound(queue: RequestQueue,
+                                                                  weights: dict[str, float]) -> None:
+    queue.update_settings(tenant_weights={t: w for t, w in weights.items() if w != 1})
+    for seed, tenant in enumerate(weights):  # a first: unfair service would serve it alone
+        enqueue(queue, tenant, 400, seed)
+    gaps = claim_all(queue, weights)
+    assert len(gaps) > 20 and max(gaps) <= bound(weights), (max(gaps), bound(weights))
+
+
+def test_the_same_queue_without_tenants_serves_in_rank_order(queue: RequestQueue) -> None:
+    """The counter-check: one tenant is served by age, so the first would be served alone."""
+    enqueue(queue, "default", 50, 1)
+    firsts = [r.id for r in queue.claim("w#1", MAX_SIZE, BUDGET, 0, 256).batch]
+    assert all(i.startswith("default-") for i in firsts)
+
+
+def test_idle_time_banks_no_credit(queue: RequestQueue) -> None:
+    """a is served alone for a while; b, arriving later, shares from then on within the
+    bound, not exclusively until it has caught up with a's tokens."""
+    weights = {"a": 1.0, "b": 1.0}
+    enqueue(queue, "a", 600, 1)
+    for n in range(30):
+        queue.claim(f"alone#{n}", MAX_SIZE, BUDGET, 0, 256)
+    enqueue(queue, "b", 300, 2)
+    gaps = claim_all(queue, weights)
+    assert len(gaps) > 20 and max(gaps) <= bound(weights), max(gaps)
+
+
+def test_a_tenant_back_from_idle_starts_at_the_class_floor(queue: RequestQueue) -> None:
+    """The class empties, a tenant never seen comes: it starts where the class was, so the
+    next one back (with a high counter) is not starved while it catches up."""
+    weights = {"a": 1.0, "b": 1.0}
+    enqueue(queue, "a", 100, 1)
+    claim_all(queue, weights)  # a alone: its counter is ~100 x 8.5 tokens
+    enqueue(queue, "b", 200, 2)
+    enqueue(queue, "a", 200, 3)
+    gaps = claim_all(queue, weights)
+    assert max(gaps) <= bound(weights), max(gaps)
+
+
+def fair_ids(queue: RequestQueue) -> set[str]:
+    return {m.split("\t")[3] for m in queue.client.zrange(queue.keys.fair, 0, -1)}
+
+
+def test_sub_queues_follow_pending_through_cancel_release_retry_and_reap(
+        queue: RequestQueue) -> None:
+    queue.update_settings(lease_seconds=1)
+    enqueue(queue, "a", 20, 1, priority="normal")
+    enqueue(queue, "b", 20, 2, priority="normal")
+    pending = lambda: set(queue.client.zrange(queue.keys.pending, 0, -1))  # noqa: E731
+    queue.cancel(["a-1-0", "b-2-5"])
+    assert fair_ids(queue) == pending() and len(pending()) == 38
+    first = queue.claim("w#1", MAX_SIZE, BUDGET, 0, 256).batch
+    assert fair_ids(queue) == pending() and len(pending()) == 38 - len(first)
+    queue.release([(r.id, r.lease_token) for r in first[:2]])
+    failing = first[2:4]
+    queue.fail([(r.id, r.lease_token, Result(r.id, "dead", error={"type": "E", "message": "m"})
+                 .to_json()) for r in failing])
+    assert fair_ids(queue) == pending()
+    time.sleep(1.1)  # the rest of the batch's lease lapses; the retries become due
+    assert len(queue.reap().requeued) == len(first) - 4
+    queue.claim("w#2", 1, 1, 10**6, 1)  # held back (max_wait): nothing taken, retries due
+    assert fair_ids(queue) == pending() and {r.id for r in failing} <= pending()
+    while queue.claim("w#drain", MAX_SIZE, BUDGET, 0, 256).batch:
+        pass
+    assert not pending() and not fair_ids(queue)
+    assert queue.client.zcard(queue.keys.fair_tenants) == 0
+    assert queue.depth() == {"normal": 0}
+    served = queue.client.hgetall(queue.keys.served)
+    assert set(served) == {"a", "b"} and all(int(v) > 0 for v in served.values())
+
+
+def test_a_fair_batch_is_overtaken_only_by_what_is_more_urgent_than_the_class(
+        queue: RequestQueue) -> None:
+    """A worker gives back a batch claimed ahead when a more urgent request is pending
+    (workers/claiming.py): a tenant's batch chosen over another's older requests of the
+    same class is not overtaken by those, only by a request ranked before them."""
+    enqueue(queue, "a", 20, 1)
+    a_enqueued = queue.head_rank() - 60_000  # its rank less the batch class's delay
+    wait_for(lambda: (lambda t: t[0] * 1000 + t[1] // 1000)(queue.client.time()) > a_enqueued,
+             5, 0.001, message="the Redis clock to move on")  # b ranks after a
+    enqueue(queue, "b", 20, 2)
+    first = queue.claim("w#a", 1, BUDGET, 0, 256).batch  # batches of one: one tenant each
+    second = queue.claim("w#b", 1, BUDGET, 0, 256).batch
+    assert {r.tenant for r in first} == {"a"} and {r.tenant for r in second} == {"b"}
+    against = min(r.chosen_against or r.rank for r in second)
+    assert queue.head_rank() < min(r.rank for r in second)  # a's older ones wait...
+    assert queue.head_rank() >= against                      # ...and do not overtake it
+    queue.enqueue([Request.validated(id="urgent", input="x", priority="realtime", tokens=1)])
+    assert queue.head_rank() < against
