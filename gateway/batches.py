@@ -183,7 +183,7 @@ class BatchRoutes:
                           str(self.files.content(err["id"])), queue=record["model"],
                           priority="batch", overwrite=True, jobs_queue=self.jobs_queue,
                           output_format="openai", expires_at=float(record["expires_at"]),
-                          meta={"batch": record["id"]})
+                          meta={"batch": record["id"]}, tenant=who.tenant)
         record.update(job_id=job.id, output_file_id=out["id"], error_file_id=err["id"],
                       in_progress_at=int(time.time()))
 

@@ -60,10 +60,11 @@ def request_fields(request: Request, call: Call, who: Principal) -> dict[str, An
             fields["deadline"] = check_deadline(float(deadline))
     except (InvalidRequest, ValueError) as exc:
         raise bad_request(f"header: {exc}", PRIORITY_HEADER if given else DEADLINE_HEADER) from None
-    meta = {k: v for k, v in (("tenant", who.tenant),
-                              ("request_id", request.headers.get("x-request-id"))) if v}
-    if meta:
-        fields["meta"] = meta
+    if who.tenant:  # the API key's tenant: its fair share of the queue (docs/fair-share.md)
+        fields["tenant"] = who.tenant
+    request_id = request.headers.get("x-request-id")
+    if request_id:
+        fields["meta"] = {"request_id": request_id}
     return fields
 
 

@@ -64,3 +64,24 @@ def test_401_and_403_in_openai_s_shape(redis_server: RedisServer, tmp_path: Path
         assert {mine, theirs} <= {m.id for m in served.client(api_key=BOB).models.list()}
         assert served.get("/health")[0] == 200  # probes need no key
         assert "2 API key(s)" in served.log.read_text()
+
+
+def test_an_api_keys_tenant_is_the_requests_tenant(redis_server: RedisServer,
+                                                   tmp_path: Path) -> None:
+    """What a key's caller enqueues is served as the key's tenant: its fair share."""
+    from tests.conftest import start_worker, stop_process, wait_for
+    queue = f"k-{uuid.uuid4().hex[:8]}"
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ALICE} alice {queue}\n")
+    worker = start_worker(redis_server.url, queue, "--runner", "bench.runners:vector384")
+    try:
+        with Client(redis_server.url, queue) as c:
+            wait_for(lambda: c.queue.stats()["workers"] == 1, 60, message="the worker")
+            with serve(redis_server.url, tmp_path, "--host", "127.0.0.1", "--keys-file",
+                       str(keys)) as served:
+                out = served.client(api_key=ALICE).embeddings.create(model=queue, input="hello")
+                assert len(out.data[0].embedding) == 384
+            tenants = c.queue.stats()["tenants"]
+    finally:
+        stop_process(worker)
+    assert set(tenants) == {"alice"} and tenants["alice"]["served_tokens"] > 0
