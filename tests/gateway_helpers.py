@@ -68,18 +68,9 @@ def _answers(served: Served) -> bool:
 
 
 def tiny_gpt2(path: Path) -> Path:
-    """GPT-2 with random weights and MiniLM's tokenizer (no chat template, no EOS, so
-    lengths are exact), as tests/test_generation.py makes it."""
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-    from batchery.workers.runners.hf import resolve_model
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("minilm"))
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=64, n_layer=2, n_head=2,
-                               n_positions=512, bos_token_id=None,
-                               eos_token_id=None)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """The tiny random GPT-2 of the generation tests (torch imported only here)."""
+    from tests.generation_helpers import build_gpt2
+    return build_gpt2(path)
 
 
 def jobs_worker(redis_url: str, jobs_queue: str, log: Path) -> subprocess.Popen:
