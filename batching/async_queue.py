@@ -10,8 +10,9 @@ from typing import Any, Sequence
 
 import redis
 
-from batchery.batching.calls import (cancel_call, enqueue_call, lookup_call, memory_full,
-                                     parse_clients, parse_enqueue, parse_lookup)
+from batchery.batching.calls import (Cancelled, cancel_call, enqueue_call, lookup_call,
+                                     memory_full, parse_cancel, parse_clients, parse_enqueue,
+                                     parse_lookup)
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import Request, Result
 from batchery.batching.scripts import Scripts
@@ -46,12 +47,12 @@ class AsyncRequestQueue:
             raise memory_full(exc) from None
         return parse_enqueue(reply, requests)
 
-    async def cancel(self, ids: Sequence[str]) -> list[int]:
+    async def cancel(self, ids: Sequence[str]) -> list[Cancelled]:
         if not ids:
             return []
         clients = parse_clients(await self.client.hmget(self.keys.sched, list(ids)))
         call = cancel_call(self.keys, ids, clients)
-        return [int(f) for f in await self.scripts.cancel(call.keys, call.args)]
+        return parse_cancel(await self.scripts.cancel(call.keys, call.args))
 
     async def result(self, request_id: str) -> Result | None:
         raw = await self.client.get(self.keys.result(request_id))

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
 from batchery.batching.async_queue import AsyncRequestQueue
+from batchery.batching.calls import Cancelled
 from batchery.batching.keys import Keys, shard_of, shard_tags
 from batchery.batching.messages import Request, Result
 from batchery.batching.scripts import Scripts
@@ -97,7 +98,7 @@ class AsyncShardedQueue:
                 await self.settings()
         raise AssertionError("unreachable")
 
-    async def cancel(self, ids: Sequence[str]) -> list[int]:
+    async def cancel(self, ids: Sequence[str]) -> list[Cancelled]:
         return await self._routed(ids, AsyncRequestQueue.cancel)
 
     async def lookup(self, ids: Sequence[str]) -> list[Result | bool]:

@@ -1,7 +1,10 @@
 """The protocol's encoding: each script call's KEYS and ARGV, and its reply read back.
 
-Shared by RequestQueue (batching/queue.py) and AsyncRequestQueue (batching/async_queue.py),
-so the synchronous and asyncio clients speak one protocol.
+Every script call is built here and its reply read here, whoever makes it: RequestQueue
+(batching/queue.py), its asyncio twin (batching/async_queue.py) and the inspection
+calls (batching/inspection.py) send what these functions return. A call's fixed KEYS
+come from batching/scripts.py FIXED_KEYS, the one place their order is written; what a
+script answers with is read into named values (``Failed``, ``Cancelled``, ``ClaimReply``).
 """
 
 from __future__ import annotations
@@ -9,13 +12,43 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
 from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, estimate_tokens,
                                         stored_input)
+from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged
+
+RETRY_BACKOFF_BASE_MS = 500   # a failed request's first retry after half a second: a blip passes
+RETRY_BACKOFF_CAP_MS = 60_000  # ... doubling up to a minute
+MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
+NOTHING_PENDING = -1          # a claim's wait_ms when the queue holds nothing it could lease
+TO_PRICE = -2                 # ... when it leased nothing: its candidates need counting first
+
+
+class Failed(IntEnum):
+    """What lua/fail.lua did with each failed request."""
+
+    LEASE_LOST = 0  # this worker no longer held it: nothing written
+    RETRIED = 1     # back in the queue after its backoff
+    DEAD = 2        # its last attempt: dead-lettered
+
+
+class Cancelled(IntEnum):
+    """What lua/cancel.lua did with each id."""
+
+    NOT = 0       # it had finished, or is unknown
+    QUEUED = 1    # cancelled while queued
+    RUNNING = 2   # cancelled while running: its output is discarded
+    ALREADY = 3   # cancelled before (an earlier cancel, or this call retried)
+
+    @property
+    def label(self) -> str:
+        """The outcome as `batchery request cancel --json` names it."""
+        return "not_cancelled" if self is Cancelled.NOT else f"cancelled_{self.name.lower()}"
 
 
 @dataclass(frozen=True)
@@ -29,7 +62,7 @@ class Call:
 @dataclass
 class ClaimReply:
     now_ms: int
-    wait_ms: int                                  # > 0: held back; -1: nothing pending
+    wait_ms: int      # > 0: held back; NOTHING_PENDING: nothing to lease
     expired: list[Claimed] = field(default_factory=list)
     batch: list[Claimed] = field(default_factory=list)
     # candidates priced by estimate, (id, input): count them, claim again with the counts
@@ -38,6 +71,23 @@ class ClaimReply:
     # worker to count now and send with its next claim (which then needs no pricing round)
     price_ahead: list[tuple[str, Any]] = field(default_factory=list)
 
+    @property
+    def nothing_pending(self) -> bool:
+        return self.wait_ms == NOTHING_PENDING
+
+
+@dataclass
+class Reaped:
+    """What one reap took back: ids back in the queue, ids dead-lettered."""
+
+    requeued: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+
+
+def fixed_keys(k: Keys, script: str, **made: str) -> list[str]:
+    """``script``'s fixed KEYS on the shard ``k``, in FIXED_KEYS order; ``made``: those a
+    Keys method makes from this call's own value (``call=k.call(new_call_id())``)."""
+    return [made[name] if name in made else getattr(k, name) for name in FIXED_KEYS[script]]
 
 
 def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1) -> Call:
@@ -50,9 +100,7 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
         args += [r.id, r.priority, tokens, deadline_ms, r.tenant, r.payload()]
-    return Call([k.pending, k.requests, k.sched, k.settings, k.wake, k.depth, k.delayed,
-                 k.stats, k.dead, k.attempts, k.history, k.call(new_call_id()),
-                 k.fair, k.fair_tenants, k.vtc,
+    return Call([*fixed_keys(k, "enqueue", call=k.call(new_call_id())),
                  *(k.result_prefix + r.id for r in requests)], args)
 
 
@@ -74,6 +122,10 @@ def parse_clients(scheds: Sequence[str | None]) -> list[str]:
     return [s.split(":", 6)[5] if s else "" for s in scheds]
 
 
+def parse_cancel(reply: list[Any]) -> list[Cancelled]:
+    return [Cancelled(int(f)) for f in reply]
+
+
 def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
     """The cancel script's KEYS and ARGV (see lua/cancel.lua); ``clients``: who enqueued
     each id, read just before (a client not declared gets no push; it polls)."""
@@ -82,16 +134,14 @@ def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
-    return Call([k.pending, k.delayed, k.leased, k.owner, k.requests, k.sched, k.attempts,
-                 k.settings, k.depth, k.stats, k.history, k.fair, k.fair_tenants, k.vtc,
-                 *(k.result(i) for i in ids),
+    return Call([*fixed_keys(k, "cancel"), *(k.result(i) for i in ids),
                  *(k.cancelled(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)],
                 args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:
     """The lookup script's KEYS and ARGV (see lua/lookup.lua)."""
-    return Call([k.requests, *(k.result(i) for i in ids)], list(ids))
+    return Call([*fixed_keys(k, "lookup"), *(k.result(i) for i in ids)], list(ids))
 
 
 def parse_lookup(reply: list[Any], ids: Sequence[str]) -> list[Result | bool]:
@@ -140,9 +190,19 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
                          "--class-delay`, or an integer delay in seconds")
 
 
+def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
+               max_wait_ms: int, lookahead: int, price_estimates: bool,
+               counts: Sequence[tuple[str, int]], ceiling: float | None) -> Call:
+    """The claim script's KEYS and ARGV (see lua/claim.lua and RequestQueue.claim)."""
+    return Call(fixed_keys(k, "claim", claim=k.claim(token)),
+                [token, max_batch_size, max_batch_tokens, max_wait_ms,
+                 min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
+                 "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
+
+
 def parse_claim(reply: list[Any], token: str) -> ClaimReply:
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
-    if wait_ms == -2:
+    if wait_ms == TO_PRICE:
         n = (len(reply) - 3) // 2
         return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
                                                for i, p in zip(reply[3:3 + n], reply[3 + n:])])
@@ -158,3 +218,95 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
     ahead = reply[4 + 4 * n:-1]
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
                       price_ahead=[(i, stored_input(p)) for i, p in zip(ahead[:m], ahead[m:])])
+
+
+def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
+                  clients: Sequence[str]) -> Call:
+    """The complete script's KEYS and ARGV: (id, lease token, result JSON) items, each
+    with its client (see lua/complete.lua)."""
+    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
+                       ",".join(f"{name}={n}" for name, n in totals.items() if n)]
+    for item, client in zip(items, clients, strict=True):
+        args += (*item, client)
+    return Call([*fixed_keys(k, "complete"), *declared_keys(k, [i[0] for i in items], clients)],
+                args)
+
+
+def fail_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]],
+              clients: Sequence[str]) -> Call:
+    """The fail script's KEYS and ARGV: (id, lease token, dead result JSON) items."""
+    args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts,
+                       DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS,
+                       DEFAULTS.dead_ttl]
+    for item in items:
+        args += item
+    return Call([*fixed_keys(k, "fail", call=k.call(new_call_id())),
+                 *declared_keys(k, [i[0] for i in items], clients)], args)
+
+
+def parse_fail(reply: list[Any]) -> list[Failed]:
+    return [Failed(int(f)) for f in reply]
+
+
+def renew_call(k: Keys, worker_id: str, leases: Sequence[tuple[str, str]]) -> Call:
+    """The renew script's KEYS and ARGV: the (id, lease token) pairs a worker holds."""
+    return Call(fixed_keys(k, "renew"), [worker_id, DEFAULTS.lease_seconds,
+                                         *(v for lease in leases for v in lease)])
+
+
+def reap_call(k: Keys, limit: int, declared: Sequence[str] = ()) -> Call:
+    """The reap script's KEYS and ARGV; ``declared``: the result keys and reply lists of
+    the requests an earlier call returned as needing them (see lua/reap.lua)."""
+    return Call([*fixed_keys(k, "reap"), *declared],
+                [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
+                 limit, DEFAULTS.dead_ttl])
+
+
+def parse_reap(reply: list[Any], reaped: Reaped) -> tuple[list[str], list[str]]:
+    """Add what one reap call took back to ``reaped``; returns the (ids, clients) of the
+    requests it left for a call that declares their keys ([] when none)."""
+    requeued, dead, n = int(reply[0]), int(reply[1]), int(reply[3])
+    pending, ids = reply[4:4 + n], reply[4 + n:]  # id, client pairs; the reaped ids
+    reaped.requeued += ids[:requeued]
+    reaped.dead += ids[requeued:requeued + dead]
+    return pending[0::2], pending[1::2]
+
+
+def release_call(k: Keys, leases: Sequence[tuple[str, str]]) -> Call:
+    """The release script's KEYS and ARGV: the (id, lease token) pairs handed back."""
+    return Call(fixed_keys(k, "release"), [v for lease in leases for v in lease])
+
+
+def workers_call(k: Keys, forget_ms: int) -> Call:
+    """The workers script's KEYS and ARGV: count the live workers, forget those silent
+    longer than ``forget_ms`` (0: none)."""
+    return Call(fixed_keys(k, "workers"), [DEFAULTS.lease_seconds, forget_ms])
+
+
+def attach_call(k: Keys, request_id: str, token: str, stored: str | bytes, filled: str) -> Call:
+    """The attach script's KEYS and ARGV (see lua/attach.lua)."""
+    return Call(fixed_keys(k, "attach", cancelled=k.cancelled(request_id),
+                           result=k.result(request_id)), [token, stored, filled])
+
+
+def oldest_call(k: Keys, classes: Sequence[str], limit: int) -> Call:
+    """The oldest script's KEYS and ARGV (see lua/oldest.lua)."""
+    return Call(fixed_keys(k, "oldest"), [limit, *classes])
+
+
+def parse_oldest(reply: list[Any]) -> tuple[int, int, dict[str, int]]:
+    """(now ms, requests looked at, class -> enqueue ms of its oldest pending request)."""
+    pairs = reply[2:]
+    return int(reply[0]), int(reply[1]), {pairs[i]: int(pairs[i + 1])
+                                          for i in range(0, len(pairs), 2)}
+
+
+def revive_call(k: Keys, ids: Sequence[str]) -> Call:
+    """The revive script's KEYS and ARGV: dead letters sent back to the queue."""
+    return Call([*fixed_keys(k, "revive"), *(k.result(i) for i in ids)],
+                [k.result_prefix, *ids])
+
+
+def purge_call(k: Keys, ids: Sequence[str], everything: bool) -> Call:
+    """The purge script's KEYS and ARGV: dead letters forgotten for good."""
+    return Call(fixed_keys(k, "purge"), [int(everything), *ids])

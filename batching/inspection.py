@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from batchery.batching.calls import (oldest_call, parse_oldest, purge_call, revive_call)
 from batchery.batching.keys import QUEUES, Keys
 from batchery.batching.messages import Result, stored_input
 from batchery.batching.scripts import Scripts
@@ -100,10 +101,8 @@ class QueueInspection:
     def oldest(self, classes: Sequence[str], limit: int = OLDEST_LOOKAHEAD) -> tuple[int, int, dict[str, int]]:
         """(now ms, requests looked at, class -> enqueue ms of its oldest pending request)
         for the classes found among the ``limit`` most urgent (see lua/oldest.lua)."""
-        reply = self.scripts.oldest([self.keys.pending, self.keys.sched], [limit, *classes])
-        pairs = reply[2:]
-        return int(reply[0]), int(reply[1]), {pairs[i]: int(pairs[i + 1])
-                                              for i in range(0, len(pairs), 2)}
+        call = oldest_call(self.keys, classes, limit)
+        return parse_oldest(self.scripts.oldest(call.keys, call.args))
 
     def inputs(self, ids: Sequence[str]) -> list[Any]:
         """The stored input of each request (None where it is gone): `--show-payloads`."""
@@ -129,16 +128,14 @@ class QueueInspection:
         revived = 0
         for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
             chunk = ids[start:start + CHUNK]
-            revived += int(self.scripts.revive(
-                [k.dead, k.pending, k.sched, k.attempts, k.depth, k.requests, k.history,
-                 k.fair, k.fair_tenants, k.vtc, *(k.result(i) for i in chunk)], [k.result_prefix, *chunk]))
+            call = revive_call(k, chunk)
+            revived += int(self.scripts.revive(call.keys, call.args))
         return revived
 
     def purge(self, ids: Sequence[str] = (), everything: bool = False) -> int:
         """Forget the dead requests ``ids`` (``everything``: all of them) for good."""
-        k = self.keys
-        return int(self.scripts.purge([k.dead, k.requests, k.sched, k.attempts, k.owner,
-                                       k.leased, k.history], [int(everything), *ids]))
+        call = purge_call(self.keys, ids, everything)
+        return int(self.scripts.purge(call.keys, call.args))
 
     # -- observation -------------------------------------------------------------------
     def held(self) -> dict[str, int]:

@@ -6,32 +6,24 @@ readers it shares with its asyncio twin are batching/calls.py's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import redis
 
-from batchery.batching.calls import (ClaimReply, cancel_call, declared_keys, enqueue_call,
-                                     lookup_call, memory_full, new_call_id, parse_claim,
-                                     parse_clients, parse_enqueue, parse_lookup)
+from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped, attach_call,
+                                     cancel_call, claim_call, complete_call, declared_keys,
+                                     enqueue_call, fail_call, lookup_call, memory_full, parse_cancel,
+                                     parse_claim, parse_clients, parse_enqueue, parse_fail,
+                                     parse_lookup, parse_reap, reap_call, release_call,
+                                     renew_call, workers_call)
 from batchery.batching.inspection import QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Request, Result, stored_trace
 from batchery.batching.scripts import Scripts, refined
-from batchery.batching.settings import DEFAULTS, QueueSettings
+from batchery.batching.settings import QueueSettings
 
-RETRY_BACKOFF_BASE_MS = 500   # first retry after half a second: long enough for a blip to pass
-RETRY_BACKOFF_CAP_MS = 60_000
-MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
 WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua trims it
-
-
-@dataclass
-class Reaped:
-    """What one reap took back: ids back in the queue, ids dead-lettered."""
-
-    requeued: list[str] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
 
 
 class RequestQueue(QueueInspection):
@@ -63,7 +55,7 @@ class RequestQueue(QueueInspection):
         """
         call = enqueue_call(self.keys, requests, client_id, shards)
         try:
-            reply = self.scripts.enqueue(call.keys, call.args)
+            reply = self._run("enqueue", call)
         except redis.OutOfMemoryError as exc:
             raise memory_full(exc) from None
         return parse_enqueue(reply, requests)
@@ -85,13 +77,15 @@ class RequestQueue(QueueInspection):
             return parse_enqueue(reply, requests)
         return read
 
-    def cancel(self, ids: Sequence[str]) -> list[int]:
-        """1: cancelled while queued, 2: while running (output discarded), 3: cancelled
-        already (a retried call after a lost reply, or an earlier cancel), 0: too late."""
+    def cancel(self, ids: Sequence[str]) -> list[Cancelled]:
+        """What became of each id: cancelled while queued, while running (its output
+        discarded), already, or not (too late, or unknown)."""
         if not ids:
             return []
-        call = cancel_call(self.keys, ids, self.clients(ids))
-        return [int(f) for f in self.scripts.cancel(call.keys, call.args)]
+        return parse_cancel(self._run("cancel", cancel_call(self.keys, ids, self.clients(ids))))
+
+    def _run(self, script: str, call: Call) -> Any:
+        return getattr(self.scripts, script)(call.keys, call.args)
 
     def clients(self, ids: Sequence[str]) -> list[str]:
         """The client each request was enqueued by ('' for none or unknown): whose reply
@@ -113,8 +107,7 @@ class RequestQueue(QueueInspection):
         dead-lettered), False when it knows nothing of it. One atomic read."""
         if not ids:
             return []
-        call = lookup_call(self.keys, ids)
-        return parse_lookup(self.scripts.lookup(call.keys, call.args), ids)
+        return parse_lookup(self._run("lookup", lookup_call(self.keys, ids)), ids)
 
     def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
         """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
@@ -178,14 +171,9 @@ class RequestQueue(QueueInspection):
         them: count them, claim again with their (id, exact tokens) as ``counts``. The
         claim chooses on those and stores the counts of the ones it leaves queued.
         ``ceiling``: lease nothing ranked above it (a sharded queue's claim)."""
-        k = self.keys
-        reply = self.scripts.claim(
-            [k.pending, k.delayed, k.sched, k.requests, k.attempts, k.leased, k.owner,
-             k.settings, k.depth, k.claim(token), k.fair, k.fair_tenants, k.vtc, k.served],
-            [token, max_batch_size, max_batch_tokens, max_wait_ms,
-             min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-             "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
-        return parse_claim(reply, token)
+        call = claim_call(self.keys, token, max_batch_size, max_batch_tokens, max_wait_ms,
+                          lookahead, price_estimates, counts, ceiling)
+        return parse_claim(self._run("claim", call), token)
 
     def complete(self, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:
@@ -194,48 +182,25 @@ class RequestQueue(QueueInspection):
         ``clients``: each item's client (``Claimed.client``); None: read from Redis."""
         if not items:
             return []
-        k = self.keys
-        ids = [item[0] for item in items]
-        clients = self.clients(ids) if clients is None else clients
-        args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
-                           ",".join(f"{name}={n}" for name, n in totals.items() if n)]
-        for item, client in zip(items, clients, strict=True):
-            args += (*item, client)
-        flags = self.scripts.complete([k.requests, k.sched, k.attempts, k.leased, k.owner,
-                                       k.settings, k.stats, k.history,
-                                       *declared_keys(k, ids, clients)], args)
-        return [bool(f) for f in flags]
-
-    def _declared(self, items: Sequence[tuple[str, ...]], clients: Sequence[str] | None) -> list[str]:
-        ids = [item[0] for item in items]
-        return declared_keys(self.keys, ids, self.clients(ids) if clients is None else clients)
+        clients = self.clients([item[0] for item in items]) if clients is None else clients
+        return [bool(f) for f in self._run("complete", complete_call(self.keys, items, totals,
+                                                                      clients))]
 
     def fail(self, items: Sequence[tuple[str, str, str | bytes]],
-             clients: Sequence[str] | None = None) -> list[int]:
-        """Failed (id, lease token, dead result JSON): 1 retried later, 2 dead, 0 lease lost.
+             clients: Sequence[str] | None = None) -> list[Failed]:
+        """Failed (id, lease token, dead result JSON): each retried later, dead, or its
+        lease lost.
 
         A dead letter's error becomes the run's error followed by how each attempt ended.
         ``clients`` as for :meth:`complete`."""
         if not items:
             return []
-        k = self.keys
-        args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts,
-                           DEFAULTS.result_ttl, RETRY_BACKOFF_BASE_MS, RETRY_BACKOFF_CAP_MS,
-                           DEFAULTS.dead_ttl]
-        for item in items:
-            args += item
-        return [int(f) for f in self.scripts.fail(
-            [k.requests, k.sched, k.attempts, k.leased, k.owner, k.delayed, k.dead,
-             k.settings, k.depth, k.stats, k.history, k.call(new_call_id()),
-             *self._declared(items, clients)], args)]
+        clients = self.clients([item[0] for item in items]) if clients is None else clients
+        return parse_fail(self._run("fail", fail_call(self.keys, items, clients)))
 
     def renew(self, worker_id: str, leases: Sequence[tuple[str, str]]) -> list[str]:
         """Heartbeat: extend held leases; returns the ids this worker no longer holds."""
-        k = self.keys
-        args: list[Any] = [worker_id, DEFAULTS.lease_seconds]
-        for request_id, token in leases:
-            args += [request_id, token]
-        return list(self.scripts.renew([k.leased, k.owner, k.settings, k.workers], args))
+        return list(self._run("renew", renew_call(self.keys, worker_id, leases)))
 
     def head_rank(self) -> float | None:
         """The rank of the most urgent pending request; None when none is pending."""
@@ -270,22 +235,13 @@ class RequestQueue(QueueInspection):
     def reap(self, limit: int = 1000) -> Reaped:
         """Take back expired leases: back in the queue, or dead-lettered after their last
         attempt; forget dead letters older than dead_ttl."""
-        k = self.keys
-        fixed = [k.leased, k.owner, k.attempts, k.pending, k.sched, k.dead, k.settings, k.depth,
-                 k.stats, k.requests, k.history, k.fair, k.fair_tenants, k.vtc]
-        args = [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
-                limit, DEFAULTS.dead_ttl]
-        reaped = Reaped()
-        extra: list[str] = []
+        reaped, declared = Reaped(), []
         for _ in range(2):  # a second call declares the keys of those it dead-letters
-            reply = self.scripts.reap(fixed + extra, args)
-            requeued, dead, n = int(reply[0]), int(reply[1]), int(reply[3])
-            pending, ids = reply[4:4 + n], reply[4 + n:]  # id, client pairs; the reaped ids
-            reaped.requeued += ids[:requeued]
-            reaped.dead += ids[requeued:requeued + dead]
-            if not pending:  # the next beat takes any left
+            ids, clients = parse_reap(self._run("reap", reap_call(self.keys, limit, declared)),
+                                      reaped)
+            if not ids:  # the next beat takes any left
                 break
-            extra = declared_keys(k, pending[0::2], pending[1::2])
+            declared = declared_keys(self.keys, ids, clients)
         return reaped
 
     def traces(self, ids: Sequence[str]) -> list[str | None]:
@@ -297,10 +253,7 @@ class RequestQueue(QueueInspection):
         """Return claims this worker will not run to the queue, at their rank."""
         if not leases:
             return 0
-        k = self.keys
-        args = [v for lease in leases for v in lease]
-        return int(self.scripts.release([k.leased, k.owner, k.pending, k.sched, k.depth,
-                                         k.fair, k.fair_tenants, k.vtc], args))
+        return int(self._run("release", release_call(self.keys, leases)))
 
     def forget_workers(self, older_than_s: float) -> int:
         """Drop registry entries of workers not heard from in ``older_than_s`` (they died);
@@ -309,8 +262,7 @@ class RequestQueue(QueueInspection):
 
     def live_workers(self, forget_ms: int = 0) -> int:
         """Live workers, on the clock of the node that holds the queue (lua/workers.lua)."""
-        k = self.keys
-        return int(self.scripts.workers([k.workers, k.settings], [DEFAULTS.lease_seconds, forget_ms]))
+        return int(self._run("workers", workers_call(self.keys, forget_ms)))
 
     def leave(self, worker_id: str) -> None:
         self.client.zrem(self.keys.workers, worker_id)
@@ -324,6 +276,5 @@ class RequestQueue(QueueInspection):
         if result is None or result.status != CANCELLED or result.output is not None:
             return False
         filled = replace(result, output=output).to_json()
-        return bool(self.scripts.attach([self.keys.cancelled(request_id), self.keys.result(request_id)],
-                                        [token, raw, filled]))
+        return bool(self._run("attach", attach_call(self.keys, request_id, token, raw, filled)))
 

@@ -1,7 +1,9 @@
 """The Lua scripts, loaded once per connection and called by EVALSHA (reloaded on NOSCRIPT).
 
-Each ``lua/<name>.lua`` states its KEYS, ARGV and return shape in its header;
-``lua/_common.lua`` holds the helpers they share and is prepended to each.
+Each ``lua/<name>.lua`` states its keys, ARGV and return shape in its header;
+``lua/_common.lua`` holds the helpers they share and is prepended to each. The order of
+each script's fixed KEYS is written once, in ``FIXED_KEYS``: the script reads them by name
+(``K.pending``), and batching/calls.py builds them from the same table.
 """
 
 from __future__ import annotations
@@ -13,14 +15,43 @@ from typing import Any
 
 import redis
 
-NAMES = ("enqueue", "claim", "complete", "fail", "reap", "renew", "cancel", "revive", "purge", "release",
-         "lookup", "workers", "oldest", "attach")
+# Each script's fixed KEYS in order, by the name of the batching.keys.Keys property (or
+# method, given its argument by the call) that makes each. The keys a call declares after
+# them (a result key per id, a reply list per client) are KEYS[FIXED + 1..] in the script.
+FIXED_KEYS: dict[str, tuple[str, ...]] = {
+    "enqueue": ("pending", "requests", "sched", "settings", "wake", "depth", "delayed", "stats",
+                "dead", "attempts", "history", "call", "fair", "fair_tenants", "vtc"),
+    "claim": ("pending", "delayed", "sched", "requests", "attempts", "leased", "owner",
+              "settings", "depth", "claim", "fair", "fair_tenants", "vtc", "served"),
+    "complete": ("requests", "sched", "attempts", "leased", "owner", "settings", "stats",
+                 "history"),
+    "fail": ("requests", "sched", "attempts", "leased", "owner", "delayed", "dead", "settings",
+             "depth", "stats", "history", "call"),
+    "reap": ("leased", "owner", "attempts", "pending", "sched", "dead", "settings", "depth",
+             "stats", "requests", "history", "fair", "fair_tenants", "vtc"),
+    "renew": ("leased", "owner", "settings", "workers"),
+    "cancel": ("pending", "delayed", "leased", "owner", "requests", "sched", "attempts",
+               "settings", "depth", "stats", "history", "fair", "fair_tenants", "vtc"),
+    "revive": ("dead", "pending", "sched", "attempts", "depth", "requests", "history", "fair",
+               "fair_tenants", "vtc"),
+    "purge": ("dead", "requests", "sched", "attempts", "owner", "leased", "history"),
+    "release": ("leased", "owner", "pending", "sched", "depth", "fair", "fair_tenants", "vtc"),
+    "lookup": ("requests",),
+    "workers": ("workers", "settings"),
+    "oldest": ("pending", "sched"),
+    "attach": ("cancelled", "result"),
+}
+NAMES = tuple(FIXED_KEYS)
 
 
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
+    """The script as Redis runs it: the shared helpers, its keys by name, its own code."""
     folder = resources.files("batchery.batching") / "lua"
-    return (folder / "_common.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
+    names = ", ".join(f"'{key}'" for key in FIXED_KEYS[name])
+    return "\n".join([(folder / "_common.lua").read_text(),
+                      f"local K, FIXED = named_keys({{{names}}})",
+                      (folder / f"{name}.lua").read_text()])
 
 
 class Scripts:

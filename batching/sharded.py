@@ -24,7 +24,8 @@ import redis
 from batchery.batching.keys import shard_of, shard_tags
 from batchery.batching.messages import Request, Result
 from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results, merge_loads, top_tenants
-from batchery.batching.queue import Reaped, RequestQueue
+from batchery.batching.calls import Cancelled, Failed, Reaped
+from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
 from batchery.batching.shard_claim import ShardClaims
@@ -195,7 +196,7 @@ class ShardedQueue(ShardClaims):
                 raise result
         return outcomes
 
-    def cancel(self, ids: Sequence[str]) -> list[int]:
+    def cancel(self, ids: Sequence[str]) -> list[Cancelled]:
         return self._routed(ids, RequestQueue.cancel)
 
     def clients(self, ids: Sequence[str]) -> list[str]:
@@ -321,7 +322,7 @@ class ShardedQueue(ShardClaims):
         return self._routed(list(zip(items, clients)), commit, lambda pair: pair[0][0])
 
     def fail(self, items: Sequence[tuple[str, str, str | bytes]],
-             clients: Sequence[str] | None = None) -> list[int]:
+             clients: Sequence[str] | None = None) -> list[Failed]:
         clients = self.clients([i[0] for i in items]) if clients is None else clients
         return self._routed(list(zip(items, clients)),
                             lambda q, part: q.fail([p[0] for p in part], [p[1] for p in part]),

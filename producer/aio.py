@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 
 from batchery import tracing
 from batchery.batching.async_sharded import open_async_queue
+from batchery.batching.calls import Cancelled
 from batchery.batching.keys import check_queue_name
 from batchery.batching.messages import DEFAULT_TENANT, Request, Result, check_tenant
 from batchery.batching.streams import StreamEvent, StreamReader
@@ -250,6 +251,6 @@ class AsyncClient:
         """The committed result, or None while it is queued or running (or unknown)."""
         return await self.queue.result(request_id)
 
-    async def cancel(self, ids: list[str]) -> list[int]:
+    async def cancel(self, ids: list[str]) -> list[Cancelled]:
         return await self.queue.cancel(ids)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from batchery.batching.calls import Cancelled
 from batchery.batching.messages import Request, check_id, parse_priority
 from batchery.batching.sharded import open_queue
 from batchery.cli_shared import (FINITE, SECONDS, connect, default_of, json_option,
@@ -130,11 +131,10 @@ def request_get(request_id: str, as_json: bool, queue: str, redis_url: str | Non
                else json.dumps({"id": request_id, "status": "pending"}))
 
 
-CANCEL_OUTCOMES = {1: "cancelled while queued", 2: "cancelled while running (its output is "
-                   "discarded)", 3: "cancelled already",
-                   0: "not cancelled: it had finished, or is unknown"}
-CANCEL_NAMES = {1: "cancelled_queued", 2: "cancelled_running", 3: "cancelled_already",
-                0: "not_cancelled"}
+CANCEL_OUTCOMES = {Cancelled.QUEUED: "cancelled while queued",
+                   Cancelled.RUNNING: "cancelled while running (its output is discarded)",
+                   Cancelled.ALREADY: "cancelled already",
+                   Cancelled.NOT: "not cancelled: it had finished, or is unknown"}
 
 
 @request_group.command("cancel")
@@ -145,11 +145,12 @@ CANCEL_NAMES = {1: "cancelled_queued", 2: "cancelled_running", 3: "cancelled_alr
 def request_cancel(request_ids: tuple[str, ...], as_json: bool, queue: str,
                    redis_url: str | None, cluster: bool) -> None:
     """Cancel requests; exits 7 when one could not be (finished already, or unknown)."""
-    flags = open_queue(connect(redis_url, cluster), queue).cancel([check_id(i) for i in request_ids])
+    outcomes = open_queue(connect(redis_url, cluster), queue).cancel([check_id(i) for i in request_ids])
     if as_json:
-        print_json({request_id: CANCEL_NAMES[flag] for request_id, flag in zip(request_ids, flags)})
+        print_json({request_id: done.label for request_id, done in zip(request_ids, outcomes)})
     else:
-        for request_id, flag in zip(request_ids, flags):
-            click.echo(f"{request_id}: {CANCEL_OUTCOMES[flag]}")
-    if not all(flags):
-        raise NotOk(f"{flags.count(0)} of {len(flags)} request(s) could not be cancelled")
+        for request_id, done in zip(request_ids, outcomes):
+            click.echo(f"{request_id}: {CANCEL_OUTCOMES[done]}")
+    if Cancelled.NOT in outcomes:
+        raise NotOk(f"{outcomes.count(Cancelled.NOT)} of {len(outcomes)} request(s) could not "
+                    "be cancelled")

@@ -13,6 +13,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from batchery import tracing
+from batchery.batching.calls import Cancelled
 from batchery.batching.messages import CANCELLED, DEFAULT_TENANT, Request, Result, check_tenant
 from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
@@ -110,10 +111,10 @@ def check_timeout(timeout: float | None) -> float | None:
     return None if timeout is None or math.isinf(timeout) else timeout
 
 
-def is_cancelled(flag: int, future: Any) -> bool:
-    """A cancel's answer: its script's flag (lua/cancel.lua), or, once the cancelled
+def is_cancelled(outcome: Cancelled, future: Any) -> bool:
+    """A cancel's answer: what its script did (lua/cancel.lua), or, once the cancelled
     result reached this handle (and was deleted from Redis), that result."""
-    if flag > 0:
+    if outcome is not Cancelled.NOT:
         return True
     return (future.done() and not future.cancelled() and future.exception() is None
             and future.result().status == CANCELLED)

@@ -9,7 +9,8 @@ import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.messages import Request
-from batchery.batching.queue import Reaped, RequestQueue
+from batchery.batching.calls import Reaped
+from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import NAMES, Scripts, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings

@@ -10,7 +10,8 @@ import redis
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.messages import Request
-from batchery.batching.queue import Reaped, RequestQueue
+from batchery.batching.calls import Reaped
+from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
 
@@ -381,3 +382,26 @@ def test_no_fill_from_slower_leaves_the_room_empty_and_runs_at_once(queue: Reque
     queue.enqueue([Request.validated(id="rt2", input="c", priority="realtime")], "c")
     queue.update_settings(fill_from_slower=True)
     assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["rt2", "slow"]
+
+
+def test_each_script_names_its_fixed_keys_once_and_reads_them_by_name() -> None:
+    """FIXED_KEYS is the one place a script's KEYS order is written: each name is a key
+    that Keys makes, the script reads it as K.<name>, and no script indexes KEYS by a
+    number (only past its fixed keys: KEYS[FIXED + i])."""
+    import re
+    from importlib import resources
+
+    from batchery.batching.keys import Keys
+    from batchery.batching.scripts import FIXED_KEYS, NAMES
+
+    folder = resources.files("batchery.batching") / "lua"
+    on_disk = {p.name[:-4] for p in folder.iterdir()
+               if p.name.endswith(".lua") and not p.name.startswith("_")}
+    assert set(NAMES) == on_disk
+    for name, fixed in FIXED_KEYS.items():
+        assert len(set(fixed)) == len(fixed), name
+        assert all(hasattr(Keys, key) for key in fixed), name
+        code = "\n".join(line for line in (folder / f"{name}.lua").read_text().splitlines()
+                         if not line.lstrip().startswith("--"))
+        assert not re.search(r"KEYS\[\d", code), f"{name}.lua indexes KEYS by number"
+        assert set(re.findall(r"\bK\.(\w+)", code)) <= set(fixed), name

@@ -127,7 +127,7 @@ class Claimer(threading.Thread):
                                            o.max_wait_ms)
         if batch:
             return self.prepare(batch, reply.now_ms)
-        if reply.wait_ms == -1 and self.burst and not held_before:
+        if reply.nothing_pending and self.burst and not held_before:
             return None
         self.idle(reply)
         return []

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery.batching.calls import Failed
 from batchery.batching.codec import encode_message
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK
 from batchery.batching.sharded import ShardedQueue
@@ -72,10 +73,10 @@ class ResultWriter(threading.Thread):
         items = [(o.request.id, o.request.lease_token,
                   self._encode(o, executed.claimed_ms, DEAD, reason)[1]) for o in executed.outcomes]
         try:
-            flags = self.queue.fail(items, [o.request.client for o in executed.outcomes])
-            tracing.committed(0, 0, [], [], executed.outcomes, flags)
-            metrics.RETRIES.inc(flags.count(1))
-            metrics.DEAD_LETTERS.inc(flags.count(2))
+            verdicts = self.queue.fail(items, [o.request.client for o in executed.outcomes])
+            tracing.committed(0, 0, [], [], executed.outcomes, verdicts)
+            metrics.RETRIES.inc(verdicts.count(Failed.RETRIED))
+            metrics.DEAD_LETTERS.inc(verdicts.count(Failed.DEAD))
         except redis.RedisError as exc:
             metrics.redis_error("fail").inc()
             log.error("failing them was refused too (%s); releasing them to the queue", exc)
@@ -98,7 +99,7 @@ class ResultWriter(threading.Thread):
         committed = self.queue.complete(
             [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
             totals, [o.request.client for o in final])
-        flags = self.queue.fail([(o.request.id, o.request.lease_token,
+        verdicts = self.queue.fail([(o.request.id, o.request.lease_token,
                                   self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
                                 [o.request.client for o in failed])
         ended = tracing.clock()
@@ -106,13 +107,13 @@ class ResultWriter(threading.Thread):
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
         for (priority, status), n in finished.items():  # one labels() lookup per kind, not per request
             metrics.REQUESTS.labels(self.queue.name, priority, status).inc(n)
-        for o, flag in zip(failed, flags):
-            if flag == 1:
+        for o, verdict in zip(failed, verdicts):
+            if verdict is Failed.RETRIED:
                 metrics.RETRIES.inc()
-            elif flag == 2:
+            elif verdict is Failed.DEAD:
                 metrics.DEAD_LETTERS.inc()
                 metrics.REQUESTS.labels(self.queue.name, o.request.priority, DEAD).inc()
-        lost = committed.count(False) + flags.count(0)
+        lost = committed.count(False) + verdicts.count(Failed.LEASE_LOST)
         if lost:
             log.warning("discarded %d result(s): this worker no longer held their lease", lost)
         # before what follows: a heartbeat renewing meanwhile would count them as lost
@@ -122,7 +123,7 @@ class ResultWriter(threading.Thread):
                 self.on_committed([o for o, ok in zip(final, committed) if ok])
             except Exception as exc:  # the results are in: what follows is best effort
                 log.warning("after committing %d result(s): %s", len(final), exc)
-        tracing.committed(began, ended, final, committed, failed, flags)
+        tracing.committed(began, ended, final, committed, failed, verdicts)
 
     def _encode(self, o: Outcome, claimed_ms: int, failed_status: str = ERROR,
                 error: dict[str, str] | None = None) -> tuple[str, bytes]:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from batchery.batching.calls import Failed
 from batchery.tracing import SYSTEM, get_tracer, mark_error, parent_context, trace
 
 if trace is not None:
@@ -229,26 +230,27 @@ def clock() -> int:
 
 
 def committed(began: int, ended: int, final: Sequence[Any], committed: Sequence[bool],
-              failed: Sequence[Any], flags: Sequence[int]) -> None:
+              failed: Sequence[Any], verdicts: Sequence[Failed]) -> None:
     """After one commit (its Lua calls from ``began`` to ``ended``; 0: now): a commit span
     per traced request, the events of what became of it, and the end of its process
     span. ``final``/``committed``: outcomes stored as
-    results and whether this worker still held them; ``failed``/``flags``: outcomes to
-    retry and fail.lua's verdict (1 retry scheduled, 2 dead-lettered, 0 lease lost)."""
+    results and whether this worker still held them; ``failed``/``verdicts``: outcomes to
+    retry and what fail.lua did with each."""
     if not _open:
         return
     now = ended or time.time_ns()
     began = began or now
-    for outcome, flag in [*((o, 3 if ok else 0) for o, ok in zip(final, committed)),
-                          *zip(failed, flags)]:
+    stored = [(o, None if ok else Failed.LEASE_LOST) for o, ok in zip(final, committed)]
+    for outcome, verdict in [*stored, *zip(failed, verdicts)]:
         entry = _open.get(outcome.request.id)
         if entry is None or entry.lease_token != outcome.request.lease_token:
             continue
         del _open[outcome.request.id]
-        _finish(entry, outcome, flag, began, now)
+        _finish(entry, outcome, verdict, began, now)
 
 
-def _finish(entry: _Open, outcome: Any, flag: int, began: int, now: int) -> None:
+def _finish(entry: _Open, outcome: Any, verdict: Failed | None, began: int, now: int) -> None:
+    """``verdict``: None where the outcome was stored as the request's result."""
     span, error = entry.span, outcome.error
     output = outcome.output if isinstance(outcome.output, dict) else {}
     if entry.first_token_ns:  # generation: the decode, after its first token
@@ -262,18 +264,19 @@ def _finish(entry: _Open, outcome: Any, flag: int, began: int, now: int) -> None
         span.set_attribute("batchery.batch_size", outcome.batch_size)
     if outcome.expired:
         span.add_event("expired", {"batchery.reason": reason}, timestamp=now)
-    if flag == 0:
+    if verdict is Failed.LEASE_LOST:
         span.add_event("discarded", {"batchery.reason": "this worker no longer held the lease "
                                      "(cancelled, or taken over after a stall)"}, timestamp=now)
-    elif flag == 1:
+    elif verdict is Failed.RETRIED:
         span.add_event("retry scheduled", {"batchery.reason": reason,
                                            "batchery.attempt": outcome.request.attempt}, timestamp=now)
-    elif flag == 2:
+    elif verdict is Failed.DEAD:
         span.add_event("dead-lettered", {"batchery.reason": reason,
                                          "batchery.attempt": outcome.request.attempt}, timestamp=now)
     if error:
         mark_error(span, reason)
-    span.set_attribute("batchery.status", ("dead" if flag == 2 else "retry" if flag == 1 else
+    span.set_attribute("batchery.status", ("dead" if verdict is Failed.DEAD else
+                                           "retry" if verdict is Failed.RETRIED else
                                            "expired" if outcome.expired else
                                            "error" if error else "ok"))
     span.end(now)

@@ -1,11 +1,13 @@
 -- Shared helpers, prepended to every script by batching/scripts.py.
 local rcall = redis.call
 
--- The script's fixed keys by name: names[i] is KEYS[i], in the order its header lists.
+-- The script's fixed keys by name (K.pending...), and their count (FIXED): what a call
+-- declares after them is KEYS[FIXED + 1..]. Their order is written once, in
+-- batching/scripts.py FIXED_KEYS, which prepends `local K, FIXED = named_keys({...})`.
 local function named_keys(names)
   local K = {}
   for i, name in ipairs(names) do K[name] = KEYS[i] end
-  return K
+  return K, #names
 end
 
 -- Milliseconds on the Redis clock: every process of a queue shares it, so ranks,

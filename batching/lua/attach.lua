@@ -1,6 +1,6 @@
 -- attach: put the output a worker generated before its request was cancelled into the
 -- request's cancelled result (a generation's partial text, finish_reason "cancelled").
--- KEYS[1] the request's cancelled-lease key (Keys.cancelled)   KEYS[2] its result key
+-- K.cancelled the request's cancelled-lease key (Keys.cancelled)   K.result its result key
 -- ARGV[1] the lease token the worker claimed it with
 -- ARGV[2] the stored result JSON the worker read (cancelled, no output)
 -- ARGV[3] that result with the output in it
@@ -10,7 +10,7 @@
 -- once, only by the worker that held the lease when the cancel came; nothing is pushed
 -- to the client's reply list (it had the cancel's reply; the stream's end tells a
 -- reader to read the result again).
-if rcall('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if rcall('GET', KEYS[2]) ~= ARGV[2] then return 0 end
-rcall('SET', KEYS[2], ARGV[3], 'KEEPTTL')
+if rcall('GET', K.cancelled) ~= ARGV[1] then return 0 end
+if rcall('GET', K.result) ~= ARGV[2] then return 0 end
+rcall('SET', K.result, ARGV[3], 'KEEPTTL')
 return 1

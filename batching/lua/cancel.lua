@@ -1,8 +1,8 @@
 -- cancel: cancel requests by id; queued ones never run, running ones are discarded.
--- KEYS[1] pending  KEYS[2] delayed  KEYS[3] leased  KEYS[4] owner  KEYS[5] requests
--- KEYS[6] sched    KEYS[7] attempts KEYS[8] settings KEYS[9] depth  KEYS[10] stats
--- KEYS[11] history  KEYS[12] fair  KEYS[13] fair_tenants  KEYS[14] vtc
--- KEYS[15..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
+-- K.pending  K.delayed  K.leased  K.owner  K.requests
+-- K.sched    K.attempts K.settings K.depth  K.stats
+-- K.history  K.fair  K.fair_tenants  K.vtc
+-- KEYS[FIXED+1..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
 --   then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] cancelled-lease key prefix
@@ -16,9 +16,6 @@
 -- had generated to this cancelled result, once (lua/attach.lua: generation's partial
 -- text). The result committed here is the request's one result either way.
 local CANCELLED_LEASE_S = 60
-local K = named_keys({'pending', 'delayed', 'leased', 'owner', 'requests', 'sched',
-                      'attempts', 'settings', 'depth', 'stats', 'history', 'fair',
-                      'fair_tenants', 'vtc'})
 local result_prefix, reply_prefix, cancelled_prefix = ARGV[1], ARGV[2], ARGV[4]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local flags, counts, gone = {}, {}, {}

@@ -1,16 +1,16 @@
 -- claim: lease the next batch to a worker (the rule of batching/policy.py select_batch).
--- KEYS[1] pending    ZSET id -> rank
--- KEYS[2] delayed    ZSET id -> ms it may run again
--- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
--- KEYS[4] requests   HASH id -> request JSON
--- KEYS[5] attempts   HASH id -> failed runs
--- KEYS[6] leased     ZSET id -> lease expiry ms
--- KEYS[7] owner      HASH id -> lease token
--- KEYS[8] settings   HASH
--- KEYS[9] depth      HASH class -> queued count
--- KEYS[10] claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
--- KEYS[11] fair  KEYS[12] fair_tenants  KEYS[13] vtc   the tenants' sub-queues and
---          counters (_common.lua fair_*)   KEYS[14] served  HASH tenant -> tokens claimed
+-- K.pending    ZSET id -> rank
+-- K.delayed    ZSET id -> ms it may run again
+-- K.sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- K.requests   HASH id -> request JSON
+-- K.attempts   HASH id -> failed runs
+-- K.leased     ZSET id -> lease expiry ms
+-- K.owner      HASH id -> lease token
+-- K.settings   HASH
+-- K.depth      HASH class -> queued count
+-- K.claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
+-- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
+--          counters (_common.lua fair_*)   K.served  HASH tenant -> tokens claimed
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
@@ -45,12 +45,9 @@
 -- next ones' by counter (those within max_batch_tokens of the least: the bound), read
 -- the same lazy way; else the candidates are the global lookahead as before. Either way
 -- each claimed request's tokens / its tenant's weight are added to the tenant's counter.
--- Idempotent: a claim that leased something remembers its ids under KEYS[10] for the
+-- Idempotent: a claim that leased something remembers its ids under K.claim for the
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
-local K = named_keys({'pending', 'delayed', 'sched', 'requests', 'attempts', 'leased',
-                      'owner', 'settings', 'depth', 'claim', 'fair', 'fair_tenants', 'vtc',
-                      'served'})
 local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])

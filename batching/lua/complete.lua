@@ -1,7 +1,7 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
--- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
--- KEYS[6] settings  KEYS[7] stats  KEYS[8] history
--- KEYS[9..] the result key of each id (in ARGV's order), then the reply list of each
+-- K.requests  K.sched  K.attempts  K.leased  K.owner
+-- K.settings  K.stats  K.history
+-- KEYS[FIXED+1..] the result key of each id (in ARGV's order), then the reply list of each
 --         client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
@@ -11,21 +11,19 @@
 --   lease (it expired and was taken over, or the request was cancelled).
 -- A replay (the connection retried after the reply was lost) finds its own result
 -- stored already: reported 1 again, and the totals are not added twice.
-local K = named_keys({'requests', 'sched', 'attempts', 'leased', 'owner', 'settings',
-                      'stats', 'history'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local n = (#ARGV - 4) / 4
 if n == 0 then return {} end
 
--- the result keys are KEYS[9..8+n] in ARGV's order (batching/calls.py declared_keys):
+-- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
 -- taken as declared, not built and looked up again per request; the ends checked
 local ids, result_keys = {}, {}
 for i = 1, n do
   ids[i] = ARGV[4 + (i - 1) * 4 + 1]
-  result_keys[i] = KEYS[8 + i]
+  result_keys[i] = KEYS[FIXED + i]
 end
-if #KEYS < 8 + n or result_keys[1] ~= result_prefix .. ids[1]
+if #KEYS < FIXED + n or result_keys[1] ~= result_prefix .. ids[1]
    or result_keys[n] ~= result_prefix .. ids[n] then
   error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
 end

@@ -1,17 +1,17 @@
 -- enqueue: accept requests into a queue, idempotent by id, all or nothing.
--- KEYS[1] pending    ZSET id -> rank
--- KEYS[2] requests   HASH id -> request JSON
--- KEYS[3] sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"
--- KEYS[4] settings   HASH (QueueSettings)
--- KEYS[5] wake       LIST idle workers block on
--- KEYS[6] depth      HASH class -> queued count
--- KEYS[7] delayed    ZSET (counts toward max_pending)
--- KEYS[8] stats      HASH of totals
--- KEYS[9] dead       ZSET dead letters   KEYS[10] attempts   KEYS[11] history
--- KEYS[12] call       STRING this call's reply, remembered (see Returns)
--- KEYS[13] fair  KEYS[14] fair_tenants  KEYS[15] vtc   the tenants' sub-queues and
+-- K.pending    ZSET id -> rank
+-- K.requests   HASH id -> request JSON
+-- K.sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"
+-- K.settings   HASH (QueueSettings)
+-- K.wake       LIST idle workers block on
+-- K.depth      HASH class -> queued count
+-- K.delayed    ZSET (counts toward max_pending)
+-- K.stats      HASH of totals
+-- K.dead       ZSET dead letters   K.attempts   K.history
+-- K.call       STRING this call's reply, remembered (see Returns)
+-- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --         counters (_common.lua fair_*; docs/fair-share.md)
--- KEYS[16..] the result key of each request, in ARGV's order
+-- KEYS[FIXED+1..] the result key of each request, in ARGV's order
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -32,13 +32,10 @@
 --         count stored here, which the caller's ARGV[7] differs from: route again);
 --         nothing is written then. 'full' gives the shard count as its index: each
 --         shard holds at most ceil(max_pending / shards).
--- Idempotent: a call that accepted ids remembers its reply under KEYS[12] for 60 s; the
+-- Idempotent: a call that accepted ids remembers its reply under K.call for 60 s; the
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
-local K = named_keys({'pending', 'requests', 'sched', 'settings', 'wake', 'depth',
-                      'delayed', 'stats', 'dead', 'attempts', 'history', 'call',
-                      'fair', 'fair_tenants', 'vtc'})
-local FIXED, GROUP = 15, 6  -- fixed keys; ARGV values per request
+local GROUP = 6  -- ARGV values per request
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
@@ -93,7 +90,7 @@ local n = (#ARGV - 7) / GROUP
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 local ids, result_keys = {}, {}
--- the result keys are KEYS[16..] in ARGV's order (batching/calls.py enqueue_call): taken
+-- the result keys are KEYS[FIXED+1..] in ARGV's order (batching/calls.py enqueue_call): taken
 -- as declared, not built again per request; the count and the ends checked
 for i = 1, n do
   ids[i] = ARGV[7 + (i - 1) * GROUP + 1]

@@ -1,8 +1,8 @@
 -- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
--- KEYS[1] requests  KEYS[2] sched  KEYS[3] attempts  KEYS[4] leased  KEYS[5] owner
--- KEYS[6] delayed   KEYS[7] dead   KEYS[8] settings  KEYS[9] depth   KEYS[10] stats
--- KEYS[11] history   KEYS[12] call  STRING this call's reply, remembered (see Returns)
--- KEYS[13..] the result key of each id, then the reply list of each client among them
+-- K.requests  K.sched  K.attempts  K.leased  K.owner
+-- K.delayed   K.dead   K.settings  K.depth   K.stats
+-- K.history   K.call  STRING this call's reply, remembered (see Returns)
+-- KEYS[FIXED+1..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
 -- ARGV[5] backoff base ms        ARGV[6] backoff cap ms   ARGV[7] default dead_ttl
@@ -14,10 +14,8 @@
 -- forgets it after dead_ttl; the dead result lives max(result_ttl, dead_ttl).
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
 -- Idempotent: a call that retried or dead-lettered an id remembers its reply under
--- KEYS[12] for 60 s; the same call again (the connection retried after a lost reply)
+-- K.call for 60 s; the same call again (the connection retried after a lost reply)
 -- gets that reply back, not 0 for the leases its first run released.
-local K = named_keys({'requests', 'sched', 'attempts', 'leased', 'owner', 'delayed',
-                      'dead', 'settings', 'depth', 'stats', 'history', 'call'})
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]

@@ -1,17 +1,17 @@
 -- lookup: where each request is, in one atomic read: finished, still in the queue, or gone.
--- KEYS[1]    requests  HASH id -> request JSON (queued, running or dead-lettered)
--- KEYS[2..]  the result key of each id, in ARGV's order
+-- K.requests  HASH id -> request JSON (queued, running or dead-lettered)
+-- KEYS[FIXED+1..]  the result key of each id, in ARGV's order
 -- ARGV[1..]  request ids
 -- Returns {r1..rN}: ri is the result JSON when there is one; else 1 when the request is
 --   still queued, running or dead-lettered; else 0: Redis knows nothing of it (never
 --   enqueued, result expired or deleted once delivered, or lost by Redis itself).
 local out = {}
 for i = 1, #ARGV do
-  local result = rcall('GET', KEYS[i + 1])
+  local result = rcall('GET', KEYS[FIXED + i])
   if result then
     out[i] = result
   else
-    out[i] = rcall('HEXISTS', KEYS[1], ARGV[i])
+    out[i] = rcall('HEXISTS', K.requests, ARGV[i])
   end
 end
 return out

@@ -1,7 +1,7 @@
 -- oldest: when the oldest pending request of each priority class was enqueued (aging
 -- made visible, for `batchery dashboard`). Read-only.
--- KEYS[1] pending  ZSET id -> rank (enqueue ms + class delay ms)
--- KEYS[2] sched    HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
+-- K.pending  ZSET id -> rank (enqueue ms + class delay ms)
+-- K.sched    HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
 -- ARGV[1] most requests to look at, from the head (bounds the script's time)
 -- ARGV[2..] the classes to find: the walk stops as soon as it has seen each of them
 -- Returns {now_ms, looked_at, class1, enqueued_ms1, class2, enqueued_ms2, ...}: a class
@@ -16,9 +16,9 @@ for i = 2, #ARGV do
 end
 local out, looked, step = {now_ms(), 0}, 0, 200
 while missing > 0 and looked < limit do
-  local ids = rcall('ZRANGE', KEYS[1], looked, math.min(looked + step, limit) - 1)
+  local ids = rcall('ZRANGE', K.pending, looked, math.min(looked + step, limit) - 1)
   if #ids == 0 then break end
-  local scheds = rcall('HMGET', KEYS[2], unpack(ids))
+  local scheds = rcall('HMGET', K.sched, unpack(ids))
   for i = 1, #ids do
     if scheds[i] then
       local s = parse_sched(scheds[i])

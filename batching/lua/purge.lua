@@ -1,12 +1,10 @@
 -- purge: forget dead-lettered requests for good (`batchery queue dead purge`).
--- KEYS[1] dead  KEYS[2] requests  KEYS[3] sched  KEYS[4] attempts  KEYS[5] owner
--- KEYS[6] leased  KEYS[7] history
+-- K.dead  K.requests  K.sched  K.attempts  K.owner
+-- K.leased  K.history
 -- ARGV[1] 1: every dead request; 0: only the ids that follow
 -- ARGV[2..] ids (any string, '*' included, is one id)
 -- Their dead results stay readable until the result TTL.
 -- Returns the number purged.
-local K = named_keys({'dead', 'requests', 'sched', 'attempts', 'owner', 'leased',
-                      'history'})
 local ids = {}
 if ARGV[1] == '1' then ids = rcall('ZRANGE', K.dead, 0, -1) else
   for i = 2, #ARGV do

@@ -1,8 +1,8 @@
 -- reap: take back expired leases (their worker died or hung), forget old dead letters.
--- KEYS[1] leased  KEYS[2] owner  KEYS[3] attempts  KEYS[4] pending  KEYS[5] sched
--- KEYS[6] dead    KEYS[7] settings  KEYS[8] depth  KEYS[9] stats  KEYS[10] requests
--- KEYS[11] history  KEYS[12] fair  KEYS[13] fair_tenants  KEYS[14] vtc
--- KEYS[15..] result keys and reply lists of requests a previous call returned as
+-- K.leased  K.owner  K.attempts  K.pending  K.sched
+-- K.dead    K.settings  K.depth  K.stats  K.requests
+-- K.history  K.fair  K.fair_tenants  K.vtc
+-- KEYS[FIXED+1..] result keys and reply lists of requests a previous call returned as
 --   `undeclared` (none on a first call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
@@ -17,9 +17,6 @@
 -- state and their `dead` entry go, so the id may be enqueued afresh.
 -- Returns {requeued, dead, forgotten, n, n/2 undeclared pairs (id, client), the ids
 --   requeued, the ids dead-lettered}.
-local K = named_keys({'leased', 'owner', 'attempts', 'pending', 'sched', 'dead',
-                      'settings', 'depth', 'stats', 'requests', 'history', 'fair',
-                      'fair_tenants', 'vtc'})
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))

@@ -1,11 +1,9 @@
 -- release: give back claims a worker will not run (it is shutting down); no attempt counts.
--- KEYS[1] leased  KEYS[2] owner  KEYS[3] pending  KEYS[4] sched  KEYS[5] depth
--- KEYS[6] fair  KEYS[7] fair_tenants  KEYS[8] vtc
+-- K.leased  K.owner  K.pending  K.sched  K.depth
+-- K.fair  K.fair_tenants  K.vtc
 -- ARGV[1..] pairs: id, lease token
 -- Each still held by that token returns to pending at its original rank.
 -- Returns the number released.
-local K = named_keys({'leased', 'owner', 'pending', 'sched', 'depth', 'fair',
-                      'fair_tenants', 'vtc'})
 local released, counts = 0, {}
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]

@@ -1,10 +1,9 @@
 -- renew: a worker's heartbeat; extends the leases it still holds.
--- KEYS[1] leased  KEYS[2] owner  KEYS[3] settings  KEYS[4] workers
+-- K.leased  K.owner  K.settings  K.workers
 -- ARGV[1] worker id   ARGV[2] default lease_seconds
 -- ARGV[3..] pairs: id, lease token
 -- Returns the ids whose lease this worker no longer holds (taken over or cancelled):
 -- the worker must not expect to commit them.
-local K = named_keys({'leased', 'owner', 'settings', 'workers'})
 local now = now_ms()
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[2])) * 1000)
 rcall('ZADD', K.workers, now, ARGV[1])

@@ -1,14 +1,12 @@
 -- revive: send dead-lettered requests back to the queue (`batchery queue dead retry`).
--- KEYS[1] dead  KEYS[2] pending  KEYS[3] sched  KEYS[4] attempts  KEYS[5] depth
--- KEYS[6] requests  KEYS[7] history  KEYS[8] fair  KEYS[9] fair_tenants  KEYS[10] vtc
--- KEYS[11..] the result key of each id, in ARGV's order
+-- K.dead  K.pending  K.sched  K.attempts  K.depth
+-- K.requests  K.history  K.fair  K.fair_tenants  K.vtc
+-- KEYS[FIXED+1..] the result key of each id, in ARGV's order
 -- ARGV[1] result key prefix   ARGV[2..] ids (any string, '*' included, is one id; the
 --   caller lists every dead letter for `--all`)
 -- Each gets a fresh attempt count and history, and its original rank, so it runs soon;
 -- its dead result is deleted so that the new run commits the one result.
 -- Returns the number revived.
-local K = named_keys({'dead', 'pending', 'sched', 'attempts', 'depth', 'requests',
-                      'history', 'fair', 'fair_tenants', 'vtc'})
 local revived, counts = 0, {}
 for i = 2, #ARGV do
   local id = ARGV[i]

@@ -1,6 +1,6 @@
 -- workers: count the live workers on the queue's own clock, forgetting long-silent ones.
--- KEYS[1] workers   ZSET worker id -> last heartbeat ms
--- KEYS[2] settings  HASH
+-- K.workers   ZSET worker id -> last heartbeat ms
+-- K.settings  HASH
 -- ARGV[1] default lease_seconds
 -- ARGV[2] forget workers not heard from in this many ms (0: forget none)
 -- The clock is this node's TIME, the one heartbeats are stamped with (a client's TIME
@@ -9,6 +9,6 @@
 -- Returns the number of live workers.
 local now = now_ms()
 local forget_ms = tonumber(ARGV[2])
-if forget_ms > 0 then rcall('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - forget_ms) end
-local lease_ms = setting(KEYS[2], 'lease_seconds', tonumber(ARGV[1])) * 1000
-return rcall('ZCOUNT', KEYS[1], now - lease_ms, '+inf')
+if forget_ms > 0 then rcall('ZREMRANGEBYSCORE', K.workers, '-inf', now - forget_ms) end
+local lease_ms = setting(K.settings, 'lease_seconds', tonumber(ARGV[1])) * 1000
+return rcall('ZCOUNT', K.workers, now - lease_ms, '+inf')
