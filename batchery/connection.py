@@ -7,8 +7,10 @@ restart is a pause, not a crash.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import redis
@@ -19,10 +21,12 @@ from redis.retry import Retry
 from batchery.config import EMBEDDED, redis_url_from_env
 from batchery.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 SCHEMES = ("redis", "rediss", "unix")
 RETRIES = 10          # with the backoff below: about 10 s of retrying before an error surfaces
-BACKOFF_CAP_S = 2.0
-BACKOFF_BASE_S = 0.05
+BACKOFF_BASE_S = 0.05  # a blip (a dropped connection) costs a client 50 ms, not a second
+BACKOFF_CAP_S = 2.0    # Redis back from a restart is seen within 2 s, and a down one not hammered
 SOCKET_TIMEOUT_S = 30.0  # longer than any blocking read we issue
 # Connections one client may open: one per thread (or task) in a Redis call at once.
 # redis-py 8 caps a pool at 100 by default and then raises MaxConnectionsError: a Client
@@ -168,3 +172,36 @@ def redact(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return parts._replace(netloc=netloc).geturl()
+
+
+class Backoff:
+    """The waits of a loop that retries a Redis call itself, past the client's own retries:
+    from BACKOFF_BASE_S, doubling up to BACKOFF_CAP_S, as the client's own; ``reset`` after
+    a success. One rule for every such loop (the claimer, the writer, reply readers)."""
+
+    def __init__(self) -> None:
+        self.wait_s = BACKOFF_BASE_S
+
+    def next(self) -> float:
+        """The wait before the next try (and double the one after it)."""
+        wait_s, self.wait_s = self.wait_s, min(2 * self.wait_s, BACKOFF_CAP_S)
+        return wait_s
+
+    def reset(self) -> None:
+        self.wait_s = BACKOFF_BASE_S
+
+
+def retrying(action: Callable[[], Any], for_s: float = 120.0) -> Any:
+    """``action()``, tried again for up to ``for_s`` while Redis is away (restarting, failing
+    over): for the calls a process cannot go on without (a worker's registration, its last
+    hand-back). An error Redis will repeat (no permission, out of memory) is raised at once."""
+    deadline, backoff = time.monotonic() + for_s, Backoff()
+    while True:
+        try:
+            return action()
+        except redis.RedisError as exc:
+            if not transient(exc) or time.monotonic() >= deadline:
+                raise
+            wait_s = backoff.next()
+            log.warning("Redis unavailable (%s); retrying in %.1fs", exc, wait_s)
+            time.sleep(wait_s)

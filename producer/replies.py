@@ -28,11 +28,11 @@ from batchery import tracing
 from batchery.batching.async_sharded import AsyncShardedQueue
 from batchery.batching.messages import CANCELLED, DEAD, Result
 from batchery.batching.sharded import ShardedQueue
+from batchery.connection import Backoff
 
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
 DRAIN = 1000       # results popped per round trip once one arrived
-RETRY_CAP_S = 2.0
 
 
 class ReplyListener:
@@ -129,17 +129,17 @@ class ReplyListener:
             reader.join(timeout=BLOCK_S * 4)
 
     def _run(self, tag: str | None) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._stop.is_set():
             try:
                 popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
                                                  self._followed if tag is None else (tag,))
                 self.delivered(self.deliver_many(popped))
-                backoff = 0.05
+                backoff.reset()
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
-                log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, RETRY_CAP_S)
+                wait_s = backoff.next()
+                log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
+                self._stop.wait(wait_s)
 
 
 class AsyncReplyListener:
@@ -216,14 +216,14 @@ class AsyncReplyListener:
                 task.cancel()
 
     async def _run(self, tag: str | None) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._stopping:
             try:
                 popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
                                                        self._followed if tag is None else (tag,))
                 await self.delivered([r for r in popped if self.deliver(r)])
-                backoff = 0.05
+                backoff.reset()
             except redis.RedisError as exc:
-                log.warning("reply list read failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_CAP_S)
+                wait_s = backoff.next()
+                log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
+                await asyncio.sleep(wait_s)

@@ -14,13 +14,13 @@ from batchery.batching.calls import ClaimReply
 from batchery.batching.sharded import ShardedQueue
 from batchery.workers import metrics, tracing
 from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
+from batchery.connection import Backoff
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import Runner
 
 log = logging.getLogger(__name__)
 DRAINED = None  # put on the batch queue when a burst worker has drained its queue
-RETRY_CAP_S = 5.0
 PRICING_ROUNDS = 3
 
 
@@ -96,18 +96,18 @@ class Claimer(threading.Thread):
                 left.append(batch)
 
     def run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         while not self.stop.is_set():
             if not self.slots.acquire(timeout=0.2):
                 continue
             try:
                 batches = self.claim_once()
-                backoff = 0.1
+                backoff.reset()
             except Exception as exc:  # Redis away, or a bug: keep serving, leases cover it
                 self.slots.release()
-                report_redis_error("claim", exc, backoff)
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, RETRY_CAP_S)
+                wait_s = backoff.next()
+                report_redis_error("claim", exc, wait_s)
+                self.stop.wait(wait_s)
                 continue
             if batches is None:
                 self.batches.put((DRAINED, False))

@@ -17,7 +17,7 @@ from batchery.workers.claiming import Claimer
 from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.lookout import Lookout
-from batchery.workers.loop import _retrying
+from batchery.connection import retrying
 from batchery.workers.results import ResultWriter
 from batchery.workers.runners.decoding import Prefill, Sequence
 
@@ -261,7 +261,7 @@ class DecodeLoop:
         fresh = [s for s in self.waiting if not s.key.started]
         if fresh:
             leases = [(s.key.request.id, s.key.request.lease_token) for s in fresh]
-            _retrying(lambda: self.queue.release(leases))
+            retrying(lambda: self.queue.release(leases))
             self.leases.drop(i for i, _ in leases)
             log.info("returned %d claimed request(s) to the queue; finishing %d started",
                      len(leases), len(self._running()) + len(self.waiting) - len(fresh))

@@ -16,10 +16,9 @@ import threading
 import time
 from typing import Any, Callable
 
-import redis
 
 from batchery.batching.sharded import ShardedQueue, open_queue
-from batchery.connection import RedisSettings, transient
+from batchery.connection import RedisSettings, retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import DRAINED, Claimer
 from batchery.workers.execution import BatchCap, Executed, Executor, Outcome
@@ -76,7 +75,7 @@ class Worker:
         heartbeat = Heartbeat(queue_, self.id, leases, self.stop, self.info)
         claimer = Claimer(queue_, self.runner, self.options, leases, cap, writer.submit,
                           self.stop, burst)
-        _retrying(heartbeat.beat)  # registers the worker before its first claim
+        retrying(heartbeat.beat)  # registers the worker before its first claim
         threads = (writer, heartbeat, claimer) if self.claims_ahead else (writer, heartbeat)
         for thread in threads:
             thread.start()
@@ -88,13 +87,13 @@ class Worker:
                 claimer.join()
             leftovers = [r for b in claimer.leftovers() for r in b.requests]
             if leftovers:
-                _retrying(lambda: queue_.release([(r.id, r.lease_token) for r in leftovers]))
+                retrying(lambda: queue_.release([(r.id, r.lease_token) for r in leftovers]))
                 leases.drop(r.id for r in leftovers)
                 tracing.released(leftovers, "the worker stopped before running it")
                 log.info("returned %d prefetched request(s) to the queue", len(leftovers))
             writer.close()
             heartbeat.join()
-            _retrying(lambda: queue_.leave(self.id))
+            retrying(lambda: queue_.leave(self.id))
         log.info("worker %s stopped after %d batches", self.id, self.batches_run)
 
     def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None] | None:
@@ -176,7 +175,7 @@ class Worker:
                             "... --max-input-tokens N` if it is wrong", queue_.name,
                             settings.tokenizer, settings.max_input_tokens, tokenizer,
                             self.runner.max_input_tokens, queue_.name)
-        _retrying(announce)
+        retrying(announce)
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():
@@ -191,17 +190,3 @@ class Worker:
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return lambda: [signal.signal(s, h) for s, h in previous.items()]
-
-
-def _retrying(action: Any, attempts: int = 30) -> Any:
-    """Run a Redis action through a restart: the client's own retries, then ours. An
-    error Redis will repeat (no permission, out of memory) is raised at once."""
-    for attempt in range(attempts):
-        try:
-            return action()
-        except redis.RedisError as exc:
-            if attempt == attempts - 1 or not transient(exc):
-                raise
-            log.warning("Redis unavailable (%s); retrying", exc)
-            threading.Event().wait(min(5.0, 0.2 * 2 ** attempt))
-    return None

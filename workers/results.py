@@ -14,13 +14,12 @@ from batchery.batching.calls import Failed
 from batchery.batching.codec import encode_message
 from batchery.batching.messages import DEAD, ERROR, EXPIRED, OK
 from batchery.batching.sharded import ShardedQueue
-from batchery.connection import transient
+from batchery.connection import Backoff, transient
 from batchery.workers import metrics, tracing
 from batchery.workers.execution import Executed, Outcome
 from batchery.workers.leases import Leases
 
 log = logging.getLogger(__name__)
-RETRY_CAP_S = 5.0
 BACKLOG = 8  # batches waiting to be written before the model thread waits for Redis
 
 
@@ -42,7 +41,7 @@ class ResultWriter(threading.Thread):
 
     def run(self) -> None:
         while (executed := self._backlog.get()) is not None:
-            backoff = 0.1
+            backoff = Backoff()
             while True:
                 try:
                     self.write(executed)
@@ -52,9 +51,9 @@ class ResultWriter(threading.Thread):
                         self.give_up(executed, exc)
                         break
                     # keep the results; the leases may still hold
-                    log.warning("writing results failed (%s); retrying in %.1fs", exc, backoff)
-                    threading.Event().wait(backoff)
-                    backoff = min(backoff * 2, RETRY_CAP_S)
+                    wait_s = backoff.next()
+                    log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
+                    threading.Event().wait(wait_s)
                 except Exception:  # a bug: drop this batch; its leases expire and it reruns
                     log.exception("could not write %d result(s)", len(executed.outcomes))
                     self.leases.drop(o.request.id for o in executed.outcomes)
