@@ -19,10 +19,9 @@ import click
 import redis
 
 from batchery.config import (DEFAULT_QUEUE, ENV_LOG_LEVEL, ENV_PREFIX, ENV_QUEUE, ENV_REDIS_URL,
-                             ENV_REDIS_URL_FALLBACK)
+                             ENV_REDIS_URL_FALLBACK, JOBS_QUEUE)
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError, InvalidRequest
-from batchery.producer.jobs.spec import JOBS_QUEUE
 
 EXIT_REDIS = 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

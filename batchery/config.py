@@ -28,6 +28,7 @@ ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
 ENV_API_KEYS = "BATCHERY_API_KEYS"  # serve: the gateway's keys, read here (never on a command line)
 
 DEFAULT_QUEUE = "default"
+JOBS_QUEUE = "batchery"  # the RQ queue offline jobs wait in; `rq info` lists it
 EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"
 
 

@@ -19,6 +19,7 @@ import redis
 from batchery.batching.inspection import OLDEST_LOOKAHEAD
 from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
+from batchery.config import JOBS_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError
 from batchery.producer.jobs import bookkeeping as jobs
@@ -35,7 +36,7 @@ RECENT_FAILURE_S = 3600  # a job that failed within the hour is an alert; older,
 class Options:
     """What the dashboard reads and shows."""
 
-    jobs_queue: str = jobs.JOBS_QUEUE
+    jobs_queue: str = JOBS_QUEUE
     show_payloads: bool = False   # request inputs are users' data: hidden unless asked for
     dead_limit: int = 50          # newest dead letters shown per queue
     jobs_limit: int = 20          # newest offline jobs shown

@@ -298,30 +298,6 @@ def test_job_status_watch_exits_7_when_the_job_is_cancelled(redis_url: str, queu
         stop_process(jobs_worker)
 
 
-def test_a_job_queued_under_the_former_function_path_still_runs(
-        redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Jobs queued before producer/jobs/ name batchery.producer.jobrun.run_job."""
-    from batchery.connection import RedisSettings
-    from batchery.producer.jobs import bookkeeping
-    [former] = bookkeeping.FORMER_JOB_FUNCS
-    monkeypatch.setattr(bookkeeping, "JOB_FUNC", former)  # submit as an older batchery did
-    conn = RedisSettings.from_url(redis_url).binary_client()
-    output = tmp_path / "out.jsonl"
-    job = bookkeeping.submit(conn, str(write_lines(tmp_path / "in.jsonl", requests(5))),
-                             str(output), queue=queue_name, jobs_queue=jobs_queue)
-    assert job.func_name == former
-    monkeypatch.undo()
-    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo")
-    try:
-        ran = run_cli("job", "worker", "--jobs-queue", jobs_queue, "--burst", redis_url=redis_url)
-    finally:
-        stop_process(worker)
-    assert ran.returncode == 0, ran.stderr
-    assert status(redis_url, job.id)["state"] == "finished"
-    assert len(read_jsonl(output)) == 5
-
-
 def _stats(redis_url: str, queue: str) -> dict:
     done = run_cli("queue", "stats", "--queue", queue, "--json", redis_url=redis_url)
     return json.loads(done.stdout)["queues"][queue]

@@ -25,21 +25,20 @@ from batchery.batching.messages import check_priority, check_tenant, unknown_cla
 from batchery.batching.sharded import open_queue
 from batchery.batching.keys import check_queue_name
 from batchery.config import DEFAULT_QUEUE
+from batchery.config import JOBS_QUEUE
 from batchery.connection import text_client
 from batchery.errors import ConfigError, InvalidRequest, JobNotFound
 from batchery.producer.jobs.files import errors_path
 from batchery.producer.jobs.run import run_job
 from batchery.producer.jobs.spec import (CANCELLED, DEFAULT_MAX_IN_FLIGHT, DEFAULT_PRIORITY,
                                          DEFAULT_RETRIES, FAILED, FINALIZING, FINISHED,
-                                         JOBS_QUEUE, QUEUED, RUNNING, JobSpec, Progress)
+                                         QUEUED, RUNNING, JobSpec, Progress)
 
 RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
 WITHDRAW_SCAN = 1000
 STALE_S = 30.0               # a running job silent this long may have lost its worker
 # The RQ job's function, by import path: what a jobs worker agrees to run.
 JOB_FUNC = f"{run_job.__module__}.{run_job.__qualname__}"
-# Where it lived before producer/jobs/: jobs queued by an older batchery still run.
-FORMER_JOB_FUNCS = ("batchery.producer.jobrun.run_job",)
 
 
 def rq_queue(conn: redis.Redis, name: str = JOBS_QUEUE) -> Queue:
@@ -142,7 +141,7 @@ def fetch(conn: redis.Redis, job_id: str) -> Job:
 
 
 def is_offline_job(job: Job) -> bool:
-    return job.func_name == JOB_FUNC or job.func_name in FORMER_JOB_FUNCS
+    return job.func_name == JOB_FUNC
 
 
 def spec_of(job: Job) -> JobSpec:

@@ -16,6 +16,7 @@ import redis
 from batchery.batching.messages import parse_priority
 from batchery.cli_shared import (jobs_queue_option, json_option, print_json, queue_option,
                                  redis_options)
+from batchery.config import JOBS_QUEUE
 from batchery.connection import RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer.jobs import bookkeeping as jobs
@@ -90,7 +91,7 @@ def submit(input_path: str, output: str, errors: str | None, priority: str,
                f"{spec.errors})", err=True)
     if not _workers_on(conn, jobs_queue):
         click.echo("no jobs worker is running: start one with `batchery job worker"
-                   f"{'' if jobs_queue == jobs.JOBS_QUEUE else ' --jobs-queue ' + jobs_queue}` "
+                   f"{'' if jobs_queue == JOBS_QUEUE else ' --jobs-queue ' + jobs_queue}` "
                    f"(or `{worker_command(_rq_url(settings), jobs_queue)}`)", err=True)
     click.echo(f"follow it with `batchery job status {job.id} --watch`", err=True)
 

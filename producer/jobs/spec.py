@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-JOBS_QUEUE = "batchery"      # the RQ queue jobs wait in; `rq info` lists it
 DEFAULT_PRIORITY = "batch"   # offline work: overtaken by interactive requests, never starved
 DEFAULT_MAX_IN_FLIGHT = 2000  # lines queued at once: Redis never holds more of a job than this
 DEFAULT_RETRIES = 3          # RQ re-runs a failed or abandoned job this often; each run resumes

@@ -32,7 +32,8 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from batchery import tracing
 from batchery.producer.jobs import run
-from batchery.producer.jobs.bookkeeping import FORMER_JOB_FUNCS, JOB_FUNC, JOBS_QUEUE
+from batchery.config import JOBS_QUEUE
+from batchery.producer.jobs.bookkeeping import JOB_FUNC
 
 log = logging.getLogger(__name__)
 ABANDONED_AFTER_BEATS = 3  # missed heartbeats before a job counts as abandoned
@@ -60,8 +61,6 @@ class JobsWorker(SimpleWorker):
         return self.abandoned_after
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        if job.func_name in FORMER_JOB_FUNCS:  # queued by an older batchery
-            job._func_name = JOB_FUNC
         if job.func_name != JOB_FUNC:
             self.refuse(job, queue)
             return
