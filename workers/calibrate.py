@@ -22,21 +22,22 @@ import logging
 import time
 from typing import Any
 
+from batchery.workers.options import UNTIMED_BATCH_SIZE
+
 log = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOLERANCE = 0.05       # "within a few percent of the best"
 TYPICAL_TOKENS = 64    # a short paragraph: between a sentence and the 256 an encoder keeps
 MIN_TIMED_S = 0.2      # each size is timed at least this long
-FALLBACK = 64          # a runner that cannot be calibrated (a custom one)
 
 
 def pick_batch_size(runner: Any, max_batch_tokens: int, most: int = SIZES[-1]) -> tuple[int, dict[int, float]]:
-    """(the batch size, requests/s by size); (FALLBACK, {}) when the runner offers no
+    """(the batch size, requests/s by size); (UNTIMED_BATCH_SIZE, {}) when the runner offers no
     ``sample_input(tokens)`` to time."""
     sample = getattr(runner, "sample_input", None)
     if sample is None:
-        return FALLBACK, {}
+        return UNTIMED_BATCH_SIZE, {}
     length = min(TYPICAL_TOKENS, runner.max_input_tokens or TYPICAL_TOKENS)
     text = sample(length)
     rates: dict[int, float] = {}

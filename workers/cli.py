@@ -14,7 +14,8 @@ from batchery.cli_shared import default_of, queue_option, redis_options
 from batchery.config import ENV_TORCH_THREADS
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
-from batchery.workers.options import DEFAULT_LOOKAHEAD, WorkerOptions
+from batchery.workers.options import (ACCELERATOR_SEQUENCES, CPU_SEQUENCES, DEFAULT_LOOKAHEAD,
+                                      UNTIMED_BATCH_SIZE, WorkerOptions)
 from batchery.workers.runners import TASKS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
               help="auto (CUDA when present), cpu, cuda, cuda:1, mps.")
 @click.option("--max-batch-size", type=int, help="Largest batch claimed (default: timed at "
               "start, the smallest size within 5% of the model's best throughput; "
-              f"{default_of(WorkerOptions, 'max_batch_size')} for --runner). --task generate: "
-              "sequences in flight (default 32 on a CPU, 256 on a GPU).")
+              f"{UNTIMED_BATCH_SIZE} for --runner). --task generate: sequences in flight "
+              f"(default {CPU_SEQUENCES} on a CPU, {ACCELERATOR_SEQUENCES} on a GPU).")
 @click.option("--max-batch-tokens", type=int,
               help="Padded tokens per batch (longest x size; default "
               f"{default_of(WorkerOptions, 'max_batch_tokens')}). --task generate: the KV cache "

@@ -48,14 +48,10 @@ from batchery.workers.claiming import Claimer
 from batchery.workers.decode_loop import DecodeLoop
 from batchery.workers.execution import BatchCap, Outcome
 from batchery.workers.loop import Worker
-from batchery.workers.options import WorkerOptions
+from batchery.workers.options import ACCELERATOR_SEQUENCES, CPU_SEQUENCES, WorkerOptions
 from batchery.workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
-# Sequences in flight by default. On a CPU a small model's decode step costs about the
-# same from 16 to 32 rows and more past that (bench/generate.py: 32 rows of its GPT-2
-# take ~45 ms a step on one thread); an accelerator's step is flat much longer.
-CPU_SEQUENCES, ACCELERATOR_SEQUENCES = 32, 256
 # Share of the memory free after loading the model that the KV cache may take: room
 # for activations, the prefill's own cache and the copies made when rows join.
 CACHE_MEMORY_SHARE = 0.5

@@ -12,6 +12,15 @@ from batchery.errors import ConfigError
 
 
 DEFAULT_LOOKAHEAD = 1024
+# The largest batch where no --max-batch-size says, decided here only. A built-in embed or
+# classify model is timed at start instead (workers/calibrate.py); a --runner offers
+# nothing to time and gets 64: past it, CPU and small-GPU throughput of encoder models
+# stops growing.
+UNTIMED_BATCH_SIZE = 64
+# --task generate: sequences in flight. On a CPU a small model's decode step costs about
+# the same from 16 to 32 rows and more past that (bench/generate.py: 32 rows of its GPT-2
+# take ~45 ms a step on one thread); an accelerator's step is flat much longer.
+CPU_SEQUENCES, ACCELERATOR_SEQUENCES = 32, 256
 
 
 def new_worker_id() -> str:
@@ -21,8 +30,7 @@ def new_worker_id() -> str:
 @dataclass(frozen=True)
 class WorkerOptions:
     queue: str = DEFAULT_QUEUE
-    # 64 requests: past this, CPU and small-GPU throughput of encoder models stops growing.
-    max_batch_size: int = 64
+    max_batch_size: int = UNTIMED_BATCH_SIZE
     # Padded tokens per batch (longest x size): bounds activation memory, whatever the lengths.
     max_batch_tokens: int = 8192
     # Triton's max_queue_delay: a partial batch waits this long for company, no longer.
