@@ -14,7 +14,7 @@ from batchery.batching.settings import MAX_SHARDS
 from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
                                  queue_option, redis_options)
-from batchery.batching.messages import check_tenant
+from batchery.batching.request import check_tenant
 from batchery.errors import ConfigError, InvalidRequest
 
 

@@ -14,7 +14,8 @@ from batchery.batching.calls import (Cancelled, cancel_call, enqueue_call, looku
                                      memory_full, parse_cancel, parse_clients, parse_enqueue,
                                      parse_lookup)
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
 

@@ -13,7 +13,8 @@ from typing import Any, Awaitable, Callable, Sequence
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.calls import Cancelled
 from batchery.batching.keys import Keys, shard_of, shard_tags
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
 from batchery.batching.sharded import RELAYOUT_TRIES, grouped, is_cluster

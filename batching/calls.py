@@ -16,8 +16,9 @@ from enum import IntEnum
 from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import (CANCELLED, Claimed, Request, Result, estimate_tokens,
-                                        stored_input)
+from batchery.batching.messages import CANCELLED, Claimed, Result, stored_input
+from batchery.batching.request import Request
+from batchery.batching.pricing import estimate_tokens
 from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged

@@ -118,3 +118,14 @@ def loads_many(texts: list[str]) -> list[Any]:
 
 def _no_long_integer(mapped: bytes) -> bool:
     return _LONG_INTEGER not in mapped and not mapped.startswith(_LONG_NUMBER)
+
+
+def frozen(cls: type, fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field, no
+    other name; a dict of the caller's own, which becomes the instance's), built without
+    its __init__: for messages read by the thousand, where the frozen __init__'s
+    object.__setattr__ per field was a third of the decoding. Taking the dict rather
+    than copying it saves an allocation per message, and with it garbage collections."""
+    made = object.__new__(cls)
+    object.__setattr__(made, "__dict__", fields)
+    return made

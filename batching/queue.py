@@ -19,7 +19,8 @@ from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped
                                      renew_call, workers_call)
 from batchery.batching.inspection import QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
-from batchery.batching.messages import CANCELLED, Request, Result, stored_trace
+from batchery.batching.messages import CANCELLED, Result, stored_trace
+from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import QueueSettings
 

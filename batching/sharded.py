@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import redis
 
 from batchery.batching.keys import shard_of, shard_tags
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results, merge_loads, top_tenants
 from batchery.batching.calls import Cancelled, Failed, Reaped
 from batchery.batching.queue import RequestQueue

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 
 from batchery import Client, QueueFull, Result
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from bench import common
 
 MiB = 1 << 20

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from bench import common
 from bench.redis_time import phases
 

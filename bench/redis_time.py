@@ -39,7 +39,8 @@ import redis
 from batchery import Client
 from batchery.batching import scripts
 from batchery.batching.keys import Keys
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from bench import common
 

@@ -22,8 +22,9 @@ from starlette.responses import Response, StreamingResponse
 
 from batchery import tracing
 from batchery.batching.codec import encode, loads
-from batchery.batching.messages import (Result, check_deadline, check_priority, estimate_tokens,
-                                       parse_priority)
+from batchery.batching.messages import Result
+from batchery.batching.request import check_deadline, check_priority, parse_priority
+from batchery.batching.pricing import estimate_tokens
 from batchery.errors import InvalidRequest, ResultTimeout
 from batchery.gateway.auth import Principal
 from batchery.gateway.catalog import Catalog

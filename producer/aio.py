@@ -12,17 +12,18 @@ from batchery import tracing
 from batchery.batching.async_sharded import open_async_queue
 from batchery.batching.calls import Cancelled
 from batchery.batching.keys import check_queue_name
-from batchery.batching.messages import DEFAULT_TENANT, Request, Result, check_tenant
+from batchery.batching.messages import Result
+from batchery.batching.pricing import TokenCounter
+from batchery.batching.request import (DEFAULT_PRIORITY, DEFAULT_TENANT, Request, RequestIds,
+                                      check_tenant, make_request, map_requests)
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import ResultTimeout
-from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, RequestIds,
-                                      check_timeout, is_cancelled, lost, make_request,
-                                      map_requests, refill)
+from batchery.producer.client import (ENQUEUE_CHUNK, MAX_IN_FLIGHT, POLL_S, check_timeout,
+                                      is_cancelled, lost, refill)
 from batchery.producer.coalesce import EnqueueCoalescer
 from batchery.producer.replies import AsyncReplyListener
-from batchery.producer.tokens import TokenCounter
 
 
 class AsyncHandle:
@@ -141,7 +142,7 @@ class AsyncClient:
         assert self._count is not None, "use `async with AsyncClient(...)` or await connect()"
         return make_request(fields, self._new_id, self._count, self.tenant)
 
-    async def enqueue(self, input: Any, priority: str | int = "normal",
+    async def enqueue(self, input: Any, priority: str | int = DEFAULT_PRIORITY,
                       deadline: float | None = None, id: str | None = None,
                       tokens: int | None = None, meta: dict[str, Any] | None = None,
                       tenant: str | None = None) -> AsyncHandle:
@@ -170,7 +171,7 @@ class AsyncClient:
         handle = await self.enqueue(input, **fields)
         return await handle.result(timeout)
 
-    async def map(self, inputs: Iterable[Any], priority: str | int = "normal",
+    async def map(self, inputs: Iterable[Any], priority: str | int = DEFAULT_PRIORITY,
                   deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                   timeout: float | None = None, tenant: str | None = None) -> list[Result]:
         """Run every input and return the results in input order, ``max_in_flight`` queued.

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from batchery.batching.calls import Cancelled
-from batchery.batching.messages import Request, check_id, parse_priority
+from batchery.batching.request import Request, check_id, parse_priority
 from batchery.batching.sharded import open_queue
 from batchery.cli_shared import (FINITE, SECONDS, connect, default_of, json_option,
                                  print_json, queue_option, redis_options)

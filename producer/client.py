@@ -6,82 +6,28 @@ import itertools
 import math
 import secrets
 import time
-from collections import abc
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, SimpleQueue
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from batchery import tracing
 from batchery.batching.calls import Cancelled
-from batchery.batching.messages import CANCELLED, DEFAULT_TENANT, Request, Result, check_tenant
+from batchery.batching.messages import CANCELLED, Result
+from batchery.batching.pricing import QueueCounter
+from batchery.batching.request import (DEFAULT_PRIORITY, DEFAULT_TENANT, Request, RequestIds,
+                                      check_tenant, make_request, map_requests)
 from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
-from batchery.errors import ConfigError, InvalidRequest, RequestLost, ResultTimeout
+from batchery.errors import ConfigError, RequestLost, ResultTimeout
 from batchery.producer.coalesce import ThreadEnqueueCoalescer
 from batchery.producer.replies import ReplyListener
-from batchery.producer.tokens import QueueCounter
 
 POLL_S = 1.0          # a waiter also reads the result key this often (covers lost replies)
 ENQUEUE_CHUNK = 500   # requests per enqueue call in map/stream: one Lua call each
 MAX_IN_FLIGHT = 2000  # requests map/stream keep queued at once by default
-REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta", "tenant")
-_FIELD_SET = frozenset(REQUEST_FIELDS)
-
-
-class RequestIds:
-    """Unique request ids without a uuid per request: a random prefix and a counter."""
-
-    def __init__(self) -> None:
-        self._prefix = secrets.token_hex(8)
-        self._counter = itertools.count()
-
-    def __call__(self) -> str:
-        return f"{self._prefix}-{next(self._counter)}"
-
-
-def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
-                 count: Callable[[Any], int | None], tenant: str = DEFAULT_TENANT) -> Request:
-    """A validated Request from a dict of REQUEST_FIELDS; raises InvalidRequest.
-    ``tenant``: where the dict names none (or null)."""
-    if not isinstance(fields, abc.Mapping):  # collections.abc: typing's isinstance is slow
-        raise InvalidRequest(f"a request must be an object, got {type(fields).__name__}")
-    if not fields.keys() <= _FIELD_SET:
-        unknown = set(fields) - _FIELD_SET
-        raise InvalidRequest(f"unknown request field(s) {sorted(map(str, unknown))}; "
-                             f"allowed: {', '.join(REQUEST_FIELDS)}")
-    if "input" not in fields:
-        raise InvalidRequest("request has no 'input'")
-    request_id = fields.get("id")
-    return Request.validated(id=new_id() if request_id is None else request_id,
-                             input=fields["input"], priority=_given(fields, "priority", "normal"),
-                             deadline=fields.get("deadline"), tokens=fields.get("tokens"),
-                             meta=fields.get("meta"), count=count,
-                             tenant=_given(fields, "tenant", tenant))
-
-
-def _given(fields: Mapping[str, Any], name: str, default: Any) -> Any:
-    """A field's value; ``default`` only where it is absent or null (0 and "" are values:
-    the check says whether they are valid)."""
-    value = fields.get(name)
-    return default if value is None else value
-
-
-def map_requests(values: Iterable[Any], priority: str | int, deadline: float | None,
-                 new_id: Callable[[], str], count: Callable[[Any], int | None],
-                 tenant: str = DEFAULT_TENANT) -> Iterator[Request]:
-    """``map``'s requests, drawn lazily: the first checked whole (make_request), the others
-    sharing its priority, deadline and meta, built without the frozen __init__ under ids
-    of ours (valid as made), ``count`` read at each draw (the queue's tokenizer may change)."""
-    first: Request | None = None
-    for value in values:
-        if first is None:
-            yield (first := make_request({"input": value, "priority": priority, "deadline": deadline},
-                                         new_id, count, tenant))
-        else:
-            yield first.alike(new_id(), value, count(value))
 
 
 def refill(in_flight: int, max_in_flight: int) -> int:
@@ -221,7 +167,7 @@ class Client:
         self.replies.close()
         self._conn.close()
 
-    def enqueue(self, input: Any, priority: str | int = "normal", deadline: float | None = None,
+    def enqueue(self, input: Any, priority: str | int = DEFAULT_PRIORITY, deadline: float | None = None,
                 id: str | None = None, tokens: int | None = None,
                 meta: dict[str, Any] | None = None, tenant: str | None = None) -> Handle:
         """Queue one request; raises QueueFull under backpressure, ValueError if invalid."""
@@ -351,7 +297,7 @@ class Client:
         self.replies.delivered(delivered)
         return gone
 
-    def map(self, inputs: Iterable[Any], priority: str | int = "normal",
+    def map(self, inputs: Iterable[Any], priority: str | int = DEFAULT_PRIORITY,
             deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,
             timeout: float | None = None, tenant: str | None = None) -> list[Result]:
         """Run every input and return the results in input order."""

@@ -17,7 +17,7 @@ import asyncio
 import threading
 from typing import Awaitable, Callable
 
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.errors import InvalidRequest, QueueFull
 
 Send = Callable[[list[Request]], Awaitable[object]]

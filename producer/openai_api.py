@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchery.batching.messages import estimate_tokens
+from batchery.batching.pricing import estimate_tokens
 from batchery.errors import InvalidRequest
 
 EMBEDDINGS, COMPLETIONS, CHAT = "/v1/embeddings", "/v1/completions", "/v1/chat/completions"

@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from batchery import Client
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from tests.conftest import RedisServer, start_worker, stop_process, wait_for

@@ -20,7 +20,7 @@ import yaml
 
 from batchery import Client
 from batchery.batching.keys import tag_slot
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.sharded import open_queue
 from batchery.connection import RedisSettings
 from tests.test_cluster import local_cluster, node_of_slot

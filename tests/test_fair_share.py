@@ -11,7 +11,8 @@ import time
 import pytest
 import redis
 
-from batchery.batching.messages import Request, Result
+from batchery.batching.messages import Result
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchery import Client, InvalidRequest
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from tests.conftest import RedisServer, examples, start_worker, stop_process, wait_for
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from batchery import AsyncClient, Client
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker, generate_defaults

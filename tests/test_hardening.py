@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from batchery import Client, InvalidRequest, Result
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.calls import Reaped
 from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import NAMES, Scripts, source

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from batchery import AsyncClient, Client, InvalidRequest, Result
 from batchery.batching.codec import loads
-from batchery.batching.messages import check_name
+from batchery.batching.request import check_name
 from batchery.connection import RedisSettings
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.cli import cli
 from tests.test_deploy import DEPLOY, ROOT, SCALEDOBJECT, check, scaled_queue, yaml_docs
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.policy import (Backlog, Candidate, charged, fair_lookahead, padded_tokens,
                                       rank, select_batch, settled_by)
 from batchery.batching.queue import RequestQueue

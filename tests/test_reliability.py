@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from batchery import Client, Result
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from tests import runners
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.calls import Reaped
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for

@@ -17,7 +17,7 @@ import redis
 
 from batchery import AsyncClient, Client
 from batchery.batching.async_sharded import open_async_queue
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.keys import Keys, shard_of, shard_tags, tag_slot
 from batchery.batching.scripts import source
 from batchery.batching.shard_claim import SHARD_SLACK_MS

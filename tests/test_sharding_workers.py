@@ -8,7 +8,7 @@ import threading
 import pytest
 import redis
 
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.sharded import open_queue
 from tests.conftest import wait_for
 from tests.test_sharding import _timed, configure, ids_on_every_shard

@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from batchery import AsyncClient, Client, InvalidRequest, QueueFull
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from batchery.batching.settings import QueueSettings
-from batchery.producer.client import RequestIds, map_requests
+from batchery.batching.request import RequestIds, map_requests
 from batchery.producer.jobs.files import LineParser
 from tests.conftest import run_cli, stop_process, wait_for
 from tests.jobs_helpers import start_jobs_worker, submit, write_lines

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from batchery import Client, tracing
-from batchery.batching.messages import Request
+from batchery.batching.request import Request
 from batchery.connection import RedisSettings
 from batchery.workers.generating import GenerateWorker
 from batchery.workers.options import WorkerOptions

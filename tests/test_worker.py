@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from batchery import Client
 from batchery.connection import RedisSettings
-from batchery.producer import tokens
+from batchery.batching import pricing
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
@@ -73,7 +73,7 @@ def test_an_underestimated_batch_is_split_to_fit_the_exact_token_budget(redis_ur
 
 def test_producers_count_with_the_queue_tokenizer_once_it_appears(redis_url: str, queue_name: str,
                                                                  monkeypatch: Any) -> None:
-    monkeypatch.setattr(tokens, "REFRESH_S", 0.2)
+    monkeypatch.setattr(pricing, "REFRESH_S", 0.2)
     text = "Return the absolute value of the argument."
     with Client(redis_url, queue_name) as client:
         client.enqueue(text, id="before")  # no tokenizer known yet: priced by estimate

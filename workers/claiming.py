@@ -9,12 +9,13 @@ from typing import Any, Callable
 
 import redis
 
-from batchery.batching.messages import Claimed, estimate_tokens
 from batchery.batching.calls import ClaimReply
+from batchery.batching.messages import Claimed
+from batchery.batching.pricing import exact_counts
 from batchery.batching.sharded import ShardedQueue
 from batchery.workers import metrics, tracing
-from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
 from batchery.connection import Backoff
+from batchery.workers.execution import Batch, BatchCap, Executed, Outcome
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import Runner
@@ -179,24 +180,9 @@ class Claimer(threading.Thread):
 
     def _count(self, candidates: list[tuple[str, Any]]) -> list[tuple[str, int]]:
         """(id, exact tokens) of candidates priced by estimate, for the next claim."""
-        inputs = [value for _, value in candidates]
-        try:
-            counts = self.runner.count_tokens(inputs) or [None] * len(inputs)
-        except Exception:  # one input the tokenizer cannot take: count each alone
-            counts = [self._count_one(value) for value in inputs]
-        # an input that cannot run keeps its estimate, unmarked: it fails when it runs
-        exact = [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
+        exact = exact_counts(self.runner.count_tokens, candidates)
         metrics.REPRICED.inc(len(exact))
         return exact
-
-    def _count_one(self, value: Any) -> int | None:
-        """One input's exact tokens; None (its estimate stands) when it cannot be counted."""
-        try:
-            return (self.runner.count_tokens([value]) or [None])[0]
-        except Exception as exc:  # it fails alone when it runs
-            log.info("could not count an input's tokens (%s: %s); keeping its estimate",
-                     type(exc).__name__, str(exc)[:200])
-            return None
 
     def idle(self, reply: ClaimReply) -> None:
         """Wait for the held head, a due retry, or an enqueue signal (whichever is first)."""

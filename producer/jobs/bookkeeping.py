@@ -21,7 +21,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batchery.batching.messages import check_priority, check_tenant, unknown_class
+from batchery.batching.request import check_priority, check_tenant, unknown_class
 from batchery.batching.sharded import open_queue
 from batchery.batching.keys import check_queue_name
 from batchery.config import DEFAULT_QUEUE

@@ -13,7 +13,7 @@ from typing import Any
 import click
 import redis
 
-from batchery.batching.messages import parse_priority
+from batchery.batching.request import parse_priority
 from batchery.cli_shared import (jobs_queue_option, json_option, print_json, queue_option,
                                  redis_options)
 from batchery.config import JOBS_QUEUE

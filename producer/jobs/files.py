@@ -18,12 +18,12 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from batchery.batching.messages import (MAX_ID_LENGTH, Request, Result, check_name, dumps,
-                                        unknown_class)
+from batchery.batching.messages import Result, dumps
+from batchery.batching.request import (MAX_ID_LENGTH, REQUEST_FIELDS, Request, check_name,
+                                      make_request, unknown_class)
 from batchery.batching.settings import QueueSettings
 from batchery.errors import InvalidRequest
 from batchery.producer import openai_api
-from batchery.producer.client import REQUEST_FIELDS, make_request
 
 ERRORS_SUFFIX = ".errors.jsonl"
 OPENAI = "openai"    # output format: OpenAI's batch output and error lines (else batchery's)

@@ -25,7 +25,8 @@ from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 
 from batchery.batching.messages import CANCELLED as CANCELLED_RESULT, DEAD as DEAD_RESULT
-from batchery.batching.messages import OK, Request, Result
+from batchery.batching.messages import OK, Result
+from batchery.batching.request import Request
 from batchery.batching.sharded import open_queue
 from batchery import tracing
 from batchery.connection import text_client
@@ -36,7 +37,7 @@ from batchery.producer.jobs.files import (Invalid, JobFiles, Line, LineParser, L
 from batchery.producer.jobs.spec import (CANCELLED, COUNTING, FINALIZING, FINISHED, RUNNING,
                                          STOPPED, JobSpec, Progress)
 from batchery.producer.replies import ReplyListener
-from batchery.producer.tokens import QueueCounter
+from batchery.batching.pricing import QueueCounter
 
 log = logging.getLogger(__name__)
 CHECK_S = 0.5       # progress saved, cancellation and shutdown checked this often

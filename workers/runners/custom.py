@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Any, Callable
 
-from batchery.batching.messages import estimate_tokens
+from batchery.batching.pricing import estimate_tokens
 from batchery.errors import ConfigError
 from batchery.workers.runners.base import Prepared, Runner
 

@@ -1,11 +1,15 @@
-"""How a producer prices a request in tokens before a worker sees it.
+"""How a request is priced in tokens: the one owner of the rule.
 
-With the queue's tokenizer (announced by its workers, or set by an operator) installed
-here, the count is exact and capped at the length the workers truncate to. Otherwise
-the counter answers None: the request is stored priced by estimate, marked so, and a
-worker counts it exactly before any batch is chosen. A counter without a tokenizer
-asks again after REFRESH_S, so a producer started before its workers starts counting
-as soon as they announce one.
+- ``estimate_tokens``: without a tokenizer, about 4 characters per token. A producer
+  stores such a request marked as estimated;
+- ``TokenCounter`` / ``QueueCounter``: a producer with the queue's tokenizer (announced by
+  its workers, or set by an operator) counts exactly, capped at the length the workers
+  truncate to. Without one the counter answers None (priced by estimate) and asks again
+  after REFRESH_S, so a producer started before its workers counts as soon as they
+  announce one;
+- ``exact_counts``: a worker that counts re-prices the estimated requests before any batch
+  is chosen (batching/lua/claim.lua's pricing round); an input its tokenizer cannot take
+  keeps its estimate and fails alone when it runs.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 REFRESH_S = 5.0  # how often a counter without a tokenizer asks the queue for one again
@@ -80,3 +84,45 @@ class QueueCounter:
             settings = self._read()
             self._count = TokenCounter(settings.tokenizer, settings.max_input_tokens)
         return self._count(value)
+
+
+def estimate_tokens(value: Any) -> int:
+    """A tokenizer-free guess of a request's cost: about 4 characters per token.
+
+    Counts the text inside the input (strings in lists and objects too), plus 2 for
+    the special tokens a model adds. Such a request is marked as estimated in Redis; a
+    worker that can count writes the exact count before any batch is chosen.
+    """
+    return 2 + _text_length(value) // 4
+
+
+def _text_length(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_length(v) for v in value)
+    return 1 if value is not None else 0
+
+
+def exact_counts(count_tokens: Callable[[list[Any]], list[int | None] | None],
+                 candidates: Sequence[tuple[str, Any]]) -> list[tuple[str, int]]:
+    """(id, exact tokens) of (id, input) candidates priced by estimate, counted by a
+    worker's ``count_tokens``. One input the tokenizer cannot take is counted alone, and
+    keeps its estimate (unmarked: it fails alone when it runs); the others are counted."""
+    inputs = [value for _, value in candidates]
+    try:
+        counts = count_tokens(inputs) or [None] * len(inputs)
+    except Exception:  # one input the tokenizer cannot take: count each alone
+        counts = [_count_one(count_tokens, value) for value in inputs]
+    return [(i, c or estimate_tokens(v)) for (i, v), c in zip(candidates, counts)]
+
+
+def _count_one(count_tokens: Callable[[list[Any]], list[int | None] | None], value: Any) -> int | None:
+    try:
+        return (count_tokens([value]) or [None])[0]
+    except Exception as exc:  # it fails alone when it runs
+        log.info("could not count an input's tokens (%s: %s); keeping its estimate",
+                 type(exc).__name__, str(exc)[:200])
+        return None
