@@ -17,7 +17,7 @@ from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
-from batchery.batching.sharded import RELAYOUT_TRIES, grouped, is_cluster
+from batchery.batching.shard_layout import RELAYOUT_TRIES, grouped, is_cluster
 from batchery.errors import ConfigError, ShardsChanged
 
 

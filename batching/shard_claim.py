@@ -17,11 +17,12 @@ push, a head read and a claim, as on a queue of one shard.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from batchery.batching.calls import ClaimReply
 from batchery.batching.keys import shard_of
 from batchery.batching.queue import RequestQueue
+from batchery.batching.shard_layout import ShardLayout
 from batchery.batching.wake_watch import WakeWatch
 
 # How much later (ms of rank) a request on one shard may be claimed before the head of
@@ -34,22 +35,12 @@ SHARD_SLACK_MS = 250
 LAYOUT_CHECK_S = 1.0
 
 
-class ShardClaims:
+class ShardClaims(ShardLayout):
     """The claim side of ShardedQueue (mixed into it)."""
 
-    client: Any
-    cluster: bool
-    first: RequestQueue
-    shards: tuple[RequestQueue, ...]
     _wake: WakeWatch | None = None
     _layout_checked = 0.0
     _last_claim: tuple[str, int] = ("", 0)  # the last claim's token and shard
-
-    def _layout(self, n: int) -> None:
-        raise NotImplementedError
-
-    def settings(self) -> Any:
-        raise NotImplementedError
 
     def _heads(self, shards: Sequence[RequestQueue], zset: str = "pending",
                count: bool = True) -> tuple[list[float | None], int]:

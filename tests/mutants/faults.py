@@ -26,7 +26,7 @@ SHARDING = "tests/test_sharding.py::"
 
 FAULTS: tuple[Fault, ...] = (
     # -- named by the issue --------------------------------------------------------------
-    Fault("reaper reaps shard 0 only", "batching/sharded.py",
+    Fault("reaper reaps shard 0 only", "batching/shard_worker.py",
           "        for q in self.shards:\n            one = q.reap(limit)",
           "        for q in self.shards[:1]:\n            one = q.reap(limit)",
           ("tests/test_sharding_workers.py::test_the_reaper_takes_back_expired_leases_on_every_shard",)),
