@@ -23,7 +23,7 @@ from batchery.config import (DEFAULT_QUEUE, ENV_LOG_LEVEL, ENV_PREFIX, ENV_QUEUE
 from batchery.connection import RedisSettings
 from batchery.errors import BatcheryError, InvalidRequest
 
-EXIT_REDIS = 1
+EXIT_REDIS = 1  # Redis unreachable or refusing: like any failure, unlike bad input's 2
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -25,7 +25,7 @@ from batchery.errors import ConfigError
 
 MIN_VERSION = (6, 2)
 SOCKET_PATH_MAX = 100  # AF_UNIX paths are limited to 107 bytes on Linux
-START_TIMEOUT_S = 15.0
+START_TIMEOUT_S = 15.0  # an embedded redis-server is up in well under a second; 15 s: a slow disk's AOF
 
 
 def server_version(binary: str) -> tuple[int, int]:

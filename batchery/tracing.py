@@ -45,7 +45,7 @@ _tracers: dict[int, tuple[Any, Any]] = {}  # id(provider) -> (provider, its trac
 # request id -> (its enqueue span's context, the span's end): its result's arrival ends an
 # "await result" span in its trace (at most MAX_AWAITED: a result never read does not stay)
 _awaited: dict[str, tuple[Any, int]] = {}
-MAX_AWAITED = 100_000
+MAX_AWAITED = 100_000  # a Client.map's in-flight requests many times over; ~20 MB at most
 _job: contextvars.ContextVar[Any] = contextvars.ContextVar("batchery_job_span", default=None)
 
 

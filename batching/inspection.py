@@ -19,7 +19,7 @@ from batchery.batching.settings import DEFAULTS
 RESULT_GONE = {"type": "ResultGone", "message": "its dead result (with the error) was deleted: "
                "written to an offline job's output (see its errors there) or expired; "
                "`batchery queue dead retry ID` runs it again"}
-CHUNK = 1000                  # ids per call where the caller lists many (revive --all)
+REVIVE_CHUNK = 1000           # ids per call where the caller lists many (revive --all)
 # A worker's report outlives its last heartbeat by this many leases: one that died shows
 # as stale on the dashboard for a while (5 minutes at the default lease), then vanishes.
 WORKER_INFO_LEASES = 10
@@ -126,8 +126,8 @@ class QueueInspection:
         k = self.keys
         ids = self.client.zrange(k.dead, 0, -1) if everything else list(ids)
         revived = 0
-        for start in range(0, len(ids), CHUNK):  # each call declares its ids' result keys
-            chunk = ids[start:start + CHUNK]
+        for start in range(0, len(ids), REVIVE_CHUNK):  # each call declares its ids' result keys
+            chunk = ids[start:start + REVIVE_CHUNK]
             call = revive_call(k, chunk)
             revived += int(self.scripts.revive(call.keys, call.args))
         return revived

@@ -23,9 +23,9 @@ from batchery.errors import InvalidRequest
 REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta", "tenant")
 _FIELD_SET = frozenset(REQUEST_FIELDS)
 DEFAULT_PRIORITY = "normal"  # interactive-but-not-urgent: realtime overtakes it, batch waits
-MAX_ID_LENGTH = 512
-MAX_DEADLINE_S = 30 * 86_400
-MAX_TOKENS = 10_000_000
+MAX_ID_LENGTH = 512          # a key name, stored in several keys and entries: a path or a URL fits
+MAX_DEADLINE_S = 30 * 86_400  # a month: the longest offline job's window, with room
+MAX_TOKENS = 10_000_000      # above any model's context: a price beyond it is a mistake
 DEFAULT_TENANT = "default"  # whose share a request is served from when it names none
 MAX_TENANT_LENGTH = 128     # a job id as tenant fits; stored in every request's sched entry
 

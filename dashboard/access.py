@@ -9,30 +9,20 @@ the cookie a browser keeps after ``?token=`` lets it read, never act.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from batchery.config import ENV_DASHBOARD_TOKEN
 from batchery.errors import ConfigError
+from batchery.listening import is_loopback
 
 ENV_TOKEN = ENV_DASHBOARD_TOKEN
 MIN_TOKEN_CHARS = 16         # a token guards retry, purge and cancel: not a short password
 COOKIE = "batchery_dashboard_token"
 HEADER = "x-batchery-token"
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 NO_TOKEN_HINT = ("open the dashboard with the URL `batchery dashboard` printed (it ends in "
                  "?token=...) to use the buttons")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

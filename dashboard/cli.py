@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-import socket
-
 import click
 
 from batchery.cli_shared import FINITE, jobs_queue_option, redis_options
 from batchery.config import ENV_DASHBOARD_HOST, ENV_DASHBOARD_PORT
 from batchery.connection import RedisSettings
-from batchery.errors import ConfigError
-
-from batchery.dashboard.access import ENV_TOKEN, Access, check_token, is_loopback
+from batchery.dashboard.access import ENV_TOKEN, Access, check_token
 from batchery.dashboard.state import SAMPLE_S, Board, Options
+from batchery.errors import ConfigError
+from batchery.listening import check_port_free, is_loopback
 
 DEFAULT_HOST = "127.0.0.1"   # only this machine: binding elsewhere is a decision, with a token
-DEFAULT_PORT = 8480
-
-
-def check_port_free(host: str, port: int) -> None:
-    if not 0 < port < 65536:
-        raise ConfigError(f"--port must be 1..65535, got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ConfigError(f"--host {host!r} does not resolve ({exc.strerror}); give an "
-                          "address of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another "
-                              "--port, or stop what uses it") from None
+DASHBOARD_PORT = 8480        # clear of 8000/8080 (the gateway, web apps) and 9090 (Prometheus)
 
 
 @click.command("dashboard")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=ENV_DASHBOARD_HOST,
               help="Address to listen on; anything but loopback needs --token.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int,
+@click.option("--port", default=DASHBOARD_PORT, show_default=True, type=int,
               envvar=ENV_DASHBOARD_PORT)
 @click.option("--token", envvar=ENV_TOKEN, help="Needed by the buttons (retry, purge, cancel), "
               "and by every read when --host is not loopback. Default on loopback: a new "

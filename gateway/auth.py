@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchery.dashboard.access import is_loopback
+from batchery.listening import is_loopback
 from batchery.errors import ConfigError
 from batchery.gateway.errors import ApiError
 

@@ -11,13 +11,12 @@ from redis import exceptions as redis_errors
 from batchery.cli_shared import jobs_queue_option, redis_options
 from batchery.config import ENV_API_KEYS, state_dir
 from batchery.connection import RedisSettings
-from batchery.dashboard.access import is_loopback
-from batchery.dashboard.cli import check_port_free
+from batchery.listening import check_port_free, is_loopback
 from batchery.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"   # no keys: only this machine may call
 ANY_HOST = "0.0.0.0"     # keys configured: a replica behind a load balancer
-DEFAULT_PORT = 8000      # where OpenAI-compatible servers (vLLM, TGI's router) listen
+SERVE_PORT = 8000         # where OpenAI-compatible servers (vLLM, TGI's router) listen
 # Idle keep-alive connections stay open this long: longer than load balancers' idle timeout
 # (60 s on most), so that none sends a request on a connection the gateway just closed.
 KEEP_ALIVE_S = 75
@@ -30,7 +29,7 @@ def default_files_dir() -> str:
 @click.command("serve")
 @click.option("--host", help=f"Address to listen on [default: {ANY_HOST} with API keys, "
               f"{LOOPBACK} without: then anything but loopback is refused].")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--port", default=SERVE_PORT, show_default=True, type=int)
 @click.option("--queue", "-q", "queues", multiple=True, help="Serve this queue (repeatable); "
               "default: every queue registered in Redis, each as the model of its name.")
 @click.option("--keys-file", type=click.Path(dir_okay=False), help="API keys, one "

@@ -29,7 +29,7 @@ from starlette.responses import FileResponse, Response
 from batchery.gateway.auth import Principal
 from batchery.gateway.errors import ApiError, bad_request, json_response, not_found
 
-CHUNK = 1 << 20                       # bytes copied at a time
+COPY_BYTES = 1 << 20                  # bytes copied at a time
 RETENTION_S = 30 * 86_400             # files and batches are kept 30 days (OpenAI's batch files too)
 UPLOAD_PURPOSES = ("batch",)          # what /v1/files takes; outputs are "batch_output"
 MAX_UPLOAD_BYTES = 512 * 1024 * 1024  # OpenAI's limit per file
@@ -119,7 +119,7 @@ def write_json(path: Path, value: Any) -> None:
 def _copy(source: BinaryIO, target: Path) -> int:
     copied = 0
     with open(target, "wb") as out:
-        while chunk := source.read(CHUNK):
+        while chunk := source.read(COPY_BYTES):
             copied += len(chunk)
             if copied > MAX_UPLOAD_BYTES:
                 raise bad_request(f"the file is over {MAX_UPLOAD_BYTES >> 20} MB; split it", "file")

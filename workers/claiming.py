@@ -22,6 +22,8 @@ from batchery.workers.runners import Runner
 
 log = logging.getLogger(__name__)
 DRAINED = None  # put on the batch queue when a burst worker has drained its queue
+# Claims that count estimated candidates before one may lease on estimates: new estimated
+# requests can enter the lookahead between two calls; a busy producer cannot stall a claim.
 PRICING_ROUNDS = 3
 
 

@@ -16,7 +16,7 @@ from batchery.workers import metrics, tracing
 from batchery.workers.runners import InputError, Prepared, Runner
 
 log = logging.getLogger(__name__)
-MAX_ERROR_CHARS = 2000
+MAX_ERROR_CHARS = 2000  # an error's message as stored: the cause, not a 1 MB traceback per request
 
 
 @dataclass

@@ -28,7 +28,7 @@ from batchery.workers.results import ResultWriter
 from batchery.workers.runners import Runner
 
 log = logging.getLogger(__name__)
-EXIT_NOW = 130
+EXIT_NOW = 130  # a second Ctrl-C: the shell's code for a process stopped by SIGINT
 
 
 class Worker:

@@ -11,7 +11,7 @@ from batchery.config import DEFAULT_QUEUE
 from batchery.errors import ConfigError
 
 
-DEFAULT_LOOKAHEAD = 1024
+DEFAULT_LOOKAHEAD = 1024  # candidates a claim chooses from: see WorkerOptions.lookahead
 # The largest batch where no --max-batch-size says, decided here only. A built-in embed or
 # classify model is timed at start instead (workers/calibrate.py); a --runner offers
 # nothing to time and gets 64: past it, CPU and small-GPU throughput of encoder models

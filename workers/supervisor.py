@@ -22,6 +22,8 @@ import tempfile
 import time
 
 log = logging.getLogger(__name__)
+# A worker process that keeps dying (a bad model, no memory) is restarted after 1 s, then
+# 2, 4... up to this: the machine is not kept busy by a crash loop, a fix is seen soon.
 RESTART_BACKOFF_CAP_S = 30.0
 
 

@@ -35,7 +35,7 @@ from batchery.producer.jobs.spec import (CANCELLED, DEFAULT_MAX_IN_FLIGHT, DEFAU
                                          QUEUED, RUNNING, JobSpec, Progress)
 
 RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
-WITHDRAW_SCAN = 1000
+WITHDRAW_SCAN = 1000         # ids per SCAN and per cancel call when a job is withdrawn
 STALE_S = 30.0               # a running job silent this long may have lost its worker
 # The RQ job's function, by import path: what a jobs worker agrees to run.
 JOB_FUNC = f"{run_job.__module__}.{run_job.__qualname__}"

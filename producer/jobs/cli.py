@@ -17,7 +17,7 @@ from batchery.batching.request import parse_priority
 from batchery.cli_shared import (jobs_queue_option, json_option, print_json, queue_option,
                                  redis_options)
 from batchery.config import JOBS_QUEUE
-from batchery.connection import RedisSettings, redact
+from batchery.connection import Backoff, RedisSettings, redact
 from batchery.errors import ConfigError, NotOk
 from batchery.producer.jobs import bookkeeping as jobs
 from batchery.producer.jobs.files import OPENAI
@@ -25,12 +25,11 @@ from batchery.producer.jobs.pool import run_pool
 from batchery.producer.jobs.worker import HEARTBEAT_S, JobsWorker, worker_command
 
 log = logging.getLogger(__name__)
-WATCH_S = 0.5
-RESTART_CAP_S = 10.0
+WATCH_S = 0.5  # `job status --watch` redraws this often: live, at two reads a second
 # Jobs one `batchery job worker` runs side by side: two jobs submitted together both feed
 # the queue (and share it by tenant, docs/fair-share.md); each is a light process.
 DEFAULT_JOBS = 4
-MAX_JOBS = 64
+MAX_JOBS = 64  # a pool of light processes; past this, run more `job worker`s instead
 TERMINAL = (jobs.FINISHED, jobs.FAILED, jobs.CANCELLED)
 
 
@@ -276,7 +275,7 @@ def jobs_worker(heartbeat: int, burst: bool, name: str | None, n_jobs: int, jobs
         raise SystemExit(run_pool([common + (["--name", f"{name}-{i}"] if name else [])
                                    for i in range(1, n_jobs + 1)], settings.resolved_url()))
     click.echo(f"jobs worker on RQ queue {jobs_queue!r}, redis {settings.describe()}", err=True)
-    backoff = 0.5
+    backoff = Backoff()
     while True:  # like `batchery worker`: Redis away is a pause, not an exit
         try:
             worker = JobsWorker([jobs_queue], connection=settings.binary_client(), name=name,
@@ -287,7 +286,7 @@ def jobs_worker(heartbeat: int, burst: bool, name: str | None, n_jobs: int, jobs
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if isinstance(exc, redis.AuthenticationError):
                 raise
-            log.warning("Redis unavailable (%s); the jobs worker retries in %.0fs", exc, backoff)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, RESTART_CAP_S)
+            wait_s = backoff.next()
+            log.warning("Redis unavailable (%s); the jobs worker retries in %.1fs", exc, wait_s)
+            time.sleep(wait_s)
 

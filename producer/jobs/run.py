@@ -41,7 +41,7 @@ from batchery.batching.pricing import QueueCounter
 
 log = logging.getLogger(__name__)
 CHECK_S = 0.5       # progress saved, cancellation and shutdown checked this often
-POLL_S = 1.0        # results of requests an earlier run enqueued are read this often
+EARLIER_POLL_S = 1.0       # results of requests an earlier run enqueued are read this often
 SCAN_PAUSE = 2000   # a long stretch of skipped or invalid lines pauses for checks this often
 FULL_BACKOFF_START_S = 0.05  # a full queue is tried again after this, doubling ...
 FULL_BACKOFF_CAP_S = 2.0     # ... up to this
@@ -295,7 +295,7 @@ class JobRun:
                         self.job.id, len(lost))
             self.held[:0] = lost
         self._quiet = True
-        self._next_poll = time.monotonic() + POLL_S
+        self._next_poll = time.monotonic() + EARLIER_POLL_S
 
     # -- checks --------------------------------------------------------------------------
     def _checkpoint(self) -> str | None:
