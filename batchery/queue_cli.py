@@ -9,12 +9,13 @@ from typing import Any
 import click
 
 from batchery import keda
+from batchery.batching.inspection import DEAD_SHOWN
 from batchery.batching.keys import check_queue_name
+from batchery.batching.request import check_tenant
 from batchery.batching.settings import MAX_SHARDS
 from batchery.batching.sharded import ShardedQueue, open_queue
 from batchery.cli_shared import (FINITE, connect, default_of, json_option, print_json,
                                  queue_option, redis_options)
-from batchery.batching.request import check_tenant
 from batchery.errors import ConfigError, InvalidRequest
 
 
@@ -253,7 +254,7 @@ def dead_group() -> None:
 
 @dead_group.command("list")
 @queue_option
-@click.option("--limit", default=100, show_default=True)
+@click.option("--limit", default=DEAD_SHOWN, show_default=True, help="At most this many.")
 @json_option
 @redis_options
 def dead_list(queue: str, limit: int, as_json: bool, redis_url: str, cluster: bool) -> None:

@@ -27,6 +27,7 @@ OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read
 # Tenants `queue stats` names, the most loaded first; the rest are summed as one "other":
 # a million job ids as tenants do not make a million lines (or metric series).
 TENANTS_SHOWN = 10
+DEAD_SHOWN = 100              # dead letters listed at once, newest first: a screenful or two
 TENANT_DEPTH = "tenant:"      # depth hash fields counting a tenant's queued requests (lua/_common.lua)
 
 
@@ -112,11 +113,11 @@ class QueueInspection:
         return [stored_input(r) for r in raws]
 
     # -- dead letters ------------------------------------------------------------------
-    def dead_entries(self, limit: int = 100) -> list[tuple[str, float]]:
+    def dead_entries(self, limit: int = DEAD_SHOWN) -> list[tuple[str, float]]:
         """(id, ms it was dead-lettered) of the newest ``limit`` dead letters."""
         return self.client.zrevrange(self.keys.dead, 0, limit - 1, withscores=True)
 
-    def dead(self, limit: int = 100) -> list[Result]:
+    def dead(self, limit: int = DEAD_SHOWN) -> list[Result]:
         """Dead-lettered requests, newest first, with their last error."""
         ids = [i for i, _ in self.dead_entries(limit)]
         return dead_results(ids, self.results(ids))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from batchery.batching.inspection import OLDEST_LOOKAHEAD, dead_results, merge_loads, top_tenants
+from batchery.batching.inspection import (DEAD_SHOWN, OLDEST_LOOKAHEAD, dead_results, merge_loads,
+                                          top_tenants)
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.settings import QueueSettings
@@ -104,7 +105,7 @@ class OperatorCalls(ShardLayout):
     def known_queues(client: Any) -> list[str]:
         return RequestQueue.known_queues(client)
 
-    def dead(self, limit: int = 100) -> list[Result]:
+    def dead(self, limit: int = DEAD_SHOWN) -> list[Result]:
         """Dead letters of every shard, newest first."""
         entries = sorted((e for q in self.shards for e in q.dead_entries(limit)),
                          key=lambda e: -e[1])[:limit]

@@ -39,7 +39,7 @@ class Options:
     jobs_queue: str = JOBS_QUEUE
     show_payloads: bool = False   # request inputs are users' data: hidden unless asked for
     dead_limit: int = 50          # newest dead letters shown per queue
-    jobs_limit: int = 20          # newest offline jobs shown
+    jobs_limit: int = jobs.JOBS_SHOWN  # newest offline jobs shown
 
 
 class History:

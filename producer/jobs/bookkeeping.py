@@ -35,6 +35,7 @@ from batchery.producer.jobs.spec import (CANCELLED, DEFAULT_MAX_IN_FLIGHT, DEFAU
                                          QUEUED, RUNNING, JobSpec, Progress)
 
 RESULT_TTL_S = 7 * 86_400    # a finished job stays listed a week (RQ's default is 500 s)
+JOBS_SHOWN = 20              # jobs listed at once, newest first: `job status`, the dashboard
 WITHDRAW_SCAN = 1000         # ids per SCAN and per cancel call when a job is withdrawn
 STALE_S = 30.0               # a running job silent this long may have lost its worker
 # The RQ job's function, by import path: what a jobs worker agrees to run.
@@ -191,7 +192,7 @@ def _last_line(text: str | None) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def recent(conn: redis.Redis, jobs_queue: str = JOBS_QUEUE, limit: int = 20) -> list[Job]:
+def recent(conn: redis.Redis, jobs_queue: str = JOBS_QUEUE, limit: int = JOBS_SHOWN) -> list[Job]:
     """The queue's jobs in every RQ registry, newest first."""
     q = rq_queue(conn, jobs_queue)
     registries = (q.started_job_registry, q.finished_job_registry, q.failed_job_registry,

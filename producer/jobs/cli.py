@@ -109,7 +109,7 @@ def _rq_url(settings: RedisSettings) -> str:
 @json_option
 @click.option("--watch", is_flag=True, allow_from_autoenv=False, help="A live progress bar "
               "until the job ends; exits 7 if it failed or was cancelled.")
-@click.option("--limit", default=20, show_default=True, help="Jobs listed without JOB.")
+@click.option("--limit", default=jobs.JOBS_SHOWN, show_default=True, help="Jobs listed without JOB.")
 @jobs_queue_option
 @redis_options
 @click.pass_context
@@ -129,7 +129,7 @@ def status(ctx: click.Context, job_id: str | None, as_json: bool, watch: bool, l
 
 
 @job_group.command("list")
-@click.option("--limit", default=20, show_default=True, help="At most this many jobs.")
+@click.option("--limit", default=jobs.JOBS_SHOWN, show_default=True, help="At most this many jobs.")
 @json_option
 @jobs_queue_option
 @redis_options
