@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from batchery.batching.codec import encode, frozen
-from batchery.batching.settings import CLASS_NAME
+from batchery.batching.settings import CLASS_NAME, MAX_CLASS_DELAY_S
 from batchery.errors import InvalidRequest
 
 REQUEST_FIELDS = ("id", "input", "priority", "deadline", "tokens", "meta", "tenant")
@@ -121,8 +121,9 @@ def check_priority(value: Any) -> str:
         raise InvalidRequest("priority must be a class name (realtime, normal, batch) or an "
                              "integer delay in seconds, got a boolean")
     if isinstance(value, int):
-        if not 0 <= value <= 7 * 86_400:
-            raise InvalidRequest(f"integer priority is a delay in seconds, 0..604800; got {value}")
+        if not 0 <= value <= MAX_CLASS_DELAY_S:
+            raise InvalidRequest(f"integer priority is a delay in seconds, 0..{MAX_CLASS_DELAY_S}; "
+                                 f"got {value}")
         return str(value)
     if isinstance(value, str) and CLASS_NAME.match(value):
         return value

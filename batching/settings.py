@@ -121,7 +121,7 @@ class QueueSettings:
                                   f"(no limit) to 1000000000, got {most!r}")
 
 
-MAX_CLASS_DELAY_S = 7 * 86_400
+MAX_CLASS_DELAY_S = 7 * 86_400  # a class (or an integer priority) waits a week at most: past that, it is a schedule
 # A weight's range: counters grow by tokens / weight and stay exact in Lua's doubles.
 MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.01, 1000.0
 MAX_SHARDS = 256  # more than any cluster's masters need; keeps per-claim head reads small
