@@ -78,6 +78,9 @@ def _change(*decls: str, **kwargs: Any) -> Any:
 @_change("--tenant-max-pending", multiple=True, callback=_tenant_values(int, "team-a=1000"),
          metavar="TENANT=N", help="Most requests a tenant may hold queued (repeatable; 0: no "
          "limit); over it only that tenant's enqueues are refused.")
+@_change("--tenant-token-rate", multiple=True, callback=_tenant_values(float, "team-a=5000"),
+         metavar="TENANT=TOKENS_PER_S", help="Most tokens per second a tenant is served "
+         "(repeatable; 0: no limit); over it only that tenant's requests wait.")
 @_change("--max-attempts", type=int, help="Runs before a request is dead-lettered.")
 @_change("--lease-seconds", type=FINITE, help="Claims not renewed this long are taken back.")
 @_change("--result-ttl", type=int, help="Seconds results stay readable.")
@@ -104,17 +107,19 @@ def _change(*decls: str, **kwargs: Any) -> Any:
 @json_option
 @redis_options
 def queue_config(queue: str, class_delay: dict[str, float], tenant_weight: dict[str, float],
-                 tenant_max_pending: dict[str, int], as_json: bool, redis_url: str,
+                 tenant_max_pending: dict[str, int], tenant_token_rate: dict[str, float],
+                 as_json: bool, redis_url: str,
                  cluster: bool, **changes: Any) -> None:
     """Show QUEUE's settings, changing those given first."""
     requests = open_queue(connect(redis_url, cluster), queue)
     changes = {k: v for k, v in changes.items() if v is not None}
     settings = requests.settings()
-    if changes or class_delay or tenant_weight or tenant_max_pending:
+    if changes or class_delay or tenant_weight or tenant_max_pending or tenant_token_rate:
         settings = requests.update_settings(
             class_delays={**settings.class_delays, **class_delay},
             tenant_weights={**settings.tenant_weights, **tenant_weight},
-            tenant_max_pending={**settings.tenant_max_pending, **tenant_max_pending}, **changes)
+            tenant_max_pending={**settings.tenant_max_pending, **tenant_max_pending},
+            tenant_token_rates={**settings.tenant_token_rates, **tenant_token_rate}, **changes)
         requests.register()
     data = settings.__dict__
     if as_json:
@@ -238,12 +243,13 @@ def _print_tenants(queue: str, tenants: dict[str, dict[str, int]], other: dict[s
     """The tenants of a queue, most loaded first, then the rest as one line."""
     if not tenants:
         return
-    click.echo(f"\n{'tenant of ' + queue:<40} {'pending':>9} {'served tokens':>14}")
+    click.echo(f"\n{'tenant of ' + queue:<40} {'pending':>9} {'inflight':>9} {'served tokens':>14}")
     for tenant, load in tenants.items():
-        click.echo(f"{tenant[:40]:<40} {load['pending']:>9} {load['served_tokens']:>14}")
+        click.echo(f"{tenant[:40]:<40} {load['pending']:>9} {load['inflight']:>9} "
+                   f"{load['served_tokens']:>14}")
     if other["tenants"]:
         click.echo(f"{'(' + str(other['tenants']) + ' other tenants)':<40} {other['pending']:>9} "
-                   f"{other['served_tokens']:>14}")
+                   f"{other['inflight']:>9} {other['served_tokens']:>14}")
 
 
 # -- dead letters -------------------------------------------------------------------------

@@ -273,6 +273,12 @@ def parse_reap(reply: list[Any], reaped: Reaped) -> tuple[list[str], list[str]]:
     return pending[0::2], pending[1::2]
 
 
+def fold_call(k: Keys, keep: int, cursor: str, page: int) -> Call:
+    """The fold script's KEYS and ARGV (see lua/fold.lua): fold idle tenants' served
+    totals past ``keep`` named; look at one ``page`` of counters from ``cursor``."""
+    return Call(fixed_keys(k, "fold"), [keep, cursor, page])
+
+
 def release_call(k: Keys, leases: Sequence[tuple[str, str]]) -> Call:
     """The release script's KEYS and ARGV: the (id, lease token) pairs handed back."""
     return Call(fixed_keys(k, "release"), [v for lease in leases for v in lease])

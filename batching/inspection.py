@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from batchery.batching.calls import (oldest_call, parse_oldest, purge_call, revive_call)
 from batchery.batching.keys import QUEUES, Keys
 from batchery.batching.messages import Result, stored_input
+from batchery.batching.request import DEFAULT_TENANT
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import DEFAULTS
 
@@ -29,17 +30,30 @@ OLDEST_LOOKAHEAD = 5000       # most pending requests the dashboard's aging read
 TENANTS_SHOWN = 10
 DEAD_SHOWN = 100              # dead letters listed at once, newest first: a screenful or two
 TENANT_DEPTH = "tenant:"      # depth hash fields counting a tenant's queued requests (lua/_common.lua)
+# Tenants the served-tokens hash names at most (lua/fold.lua, run by the reaper): past it
+# the idle ones served least are summed as folded, down to half. Far above TENANTS_SHOWN,
+# so the most served stay by name; small enough to read whole in a few ms.
+SERVED_KEPT = 1000
+# The served hash's fields summing the folded tenants (a tab starts no tenant's name)
+FOLDED_TOKENS, FOLDED_TENANTS = "\tfolded_tokens", "\tfolded_tenants"
+FOLDED = "\tfolded"          # the loads' entry of the folded tenants (tenants: how many)
+INFLIGHT_CHUNK = 1000         # leased ids per HMGET when counting in-flight per tenant
+LOAD = ("pending", "inflight", "served_tokens")
 
 
 def top_tenants(loads: dict[str, dict[str, int]], most: int = TENANTS_SHOWN
                 ) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
-    """The ``most`` tenants with the most queued requests (then the most tokens served),
-    and the rest summed: {"tenants": how many, "pending", "served_tokens"}."""
-    ranked = sorted(loads.items(), key=lambda kv: (-kv[1]["pending"], -kv[1]["served_tokens"], kv[0]))
+    """The ``most`` tenants with the most queued requests (then in flight, then the most
+    tokens served), and the rest summed with the folded ones: {"tenants": how many,
+    "pending", "inflight", "served_tokens"}."""
+    loads = dict(loads)
+    folded = loads.pop(FOLDED, {})
+    ranked = sorted(loads.items(), key=lambda kv: (-kv[1]["pending"], -kv[1]["inflight"],
+                                                   -kv[1]["served_tokens"], kv[0]))
     rest = ranked[most:]
-    return dict(ranked[:most]), {"tenants": len(rest),
-                                 "pending": sum(v["pending"] for _, v in rest),
-                                 "served_tokens": sum(v["served_tokens"] for _, v in rest)}
+    other = {"tenants": len(rest) + folded.get("tenants", 0),
+             **{k: sum(v[k] for _, v in rest) + folded.get(k, 0) for k in LOAD}}
+    return dict(ranked[:most]), other
 
 
 def merge_loads(*loads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -47,10 +61,17 @@ def merge_loads(*loads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     total: dict[str, dict[str, int]] = {}
     for shard in loads:
         for tenant, load in shard.items():
-            into = total.setdefault(tenant, {"pending": 0, "served_tokens": 0})
+            into = total.setdefault(tenant, {})
             for k, v in load.items():
-                into[k] += v
+                into[k] = into.get(k, 0) + v
     return total
+
+
+def sched_tenant(sched: str) -> str:
+    """The tenant of a sched entry ("tokens:expire:enq:rank:class:client:tenant"; an
+    entry written before tenants ends at client: "default")."""
+    parts = sched.split(":", 6)
+    return parts[6] if len(parts) > 6 and parts[6] else DEFAULT_TENANT
 
 
 def dead_results(ids: Sequence[str], results: Sequence[Result | None]) -> list[Result]:
@@ -170,15 +191,43 @@ class QueueInspection:
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
     def tenant_loads(self, depth: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
-        """Each tenant's queued requests (pending + delayed) and tokens served (claimed),
-        for those with either. ``depth``: the depth hash, when read already."""
+        """Each tenant's queued requests (pending + delayed), requests in flight and tokens
+        served (claimed), for those with any; the folded tenants (lua/fold.lua) summed
+        under FOLDED. ``depth``: the depth hash, when read already."""
         if depth is None:
             depth = self.client.hgetall(self.keys.depth)
-        loads = {field[len(TENANT_DEPTH):]: {"pending": int(n), "served_tokens": 0}
-                 for field, n in depth.items() if field.startswith(TENANT_DEPTH) and int(n) > 0}
+        loads: dict[str, dict[str, int]] = {}
+
+        def load(tenant: str) -> dict[str, int]:
+            return loads.setdefault(tenant, dict.fromkeys(LOAD, 0))
+        for field, n in depth.items():
+            if field.startswith(TENANT_DEPTH) and int(n) > 0:
+                load(field[len(TENANT_DEPTH):])["pending"] = int(n)
+        for tenant, n in self.tenant_inflight().items():
+            load(tenant)["inflight"] = n
+        folded = dict.fromkeys(LOAD, 0)
         for tenant, tokens in self.client.hscan_iter(self.keys.served, count=1000):
-            loads.setdefault(tenant, {"pending": 0, "served_tokens": 0})["served_tokens"] = int(tokens)
+            if tenant == FOLDED_TOKENS:
+                folded["served_tokens"] = int(tokens)
+            elif tenant == FOLDED_TENANTS:
+                folded["tenants"] = int(tokens)
+            else:
+                load(tenant)["served_tokens"] = int(tokens)
+        if folded.get("tenants"):
+            loads[FOLDED] = folded
         return loads
+
+    def tenant_inflight(self) -> dict[str, int]:
+        """Requests in flight (leased) per tenant: O(in flight), which the workers' batch
+        sizes bound, read from the leases and their sched entries."""
+        ids = self.client.zrange(self.keys.leased, 0, -1)
+        counts: dict[str, int] = {}
+        for start in range(0, len(ids), INFLIGHT_CHUNK):
+            for raw in self.client.hmget(self.keys.sched, ids[start:start + INFLIGHT_CHUNK]):
+                if raw:
+                    tenant = sched_tenant(raw)
+                    counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
 
     @staticmethod
     def known_queues(client: Any) -> list[str]:

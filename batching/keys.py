@@ -129,6 +129,12 @@ class Keys:
         return self._key("served")
 
     @property
+    def rates(self) -> str:
+        """HASH tenant -> "level:ms": the token bucket of each tenant with a token rate
+        (settings tenant_token_rates), its level at that ms on the Redis clock."""
+        return self._key("rates")
+
+    @property
     def attempts(self) -> str:
         """HASH id -> runs that failed or were lost (absent means none)."""
         return self._key("attempts")

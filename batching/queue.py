@@ -16,8 +16,8 @@ from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped
                                      enqueue_call, fail_call, lookup_call, memory_full, parse_cancel,
                                      parse_claim, parse_clients, parse_enqueue, parse_fail,
                                      parse_lookup, parse_reap, reap_call, release_call,
-                                     renew_call, workers_call)
-from batchery.batching.inspection import QueueInspection
+                                     renew_call, workers_call, fold_call)
+from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
 from batchery.batching.request import Request
@@ -25,6 +25,9 @@ from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import QueueSettings
 
 WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua trims it
+# Counters one reaper turn looks at for dropping (lua/fold.lua): a page of a few ms, and
+# at a turn per lease / 3 more than a million new job ids a day add.
+COUNTERS_PAGE = 1000
 
 
 class RequestQueue(QueueInspection):
@@ -37,6 +40,7 @@ class RequestQueue(QueueInspection):
         self.keys = Keys(tag or name)  # shard 0 is tagged with the queue's own name
         self.client = client
         self.scripts = scripts or Scripts(client)
+        self.counters_cursor = "0"  # where the reaper's walk through the counters is
 
     def keys_for(self, request_id: str) -> Keys:
         """The keys of the shard that holds ``request_id`` (its generation stream)."""
@@ -243,7 +247,17 @@ class RequestQueue(QueueInspection):
             if not ids:  # the next beat takes any left
                 break
             declared = declared_keys(self.keys, ids, clients)
+        self.fold_tenants()
         return reaped
+
+    def fold_tenants(self, keep: int = SERVED_KEPT) -> int:
+        """Keep the per-tenant fields bounded (lua/fold.lua): past ``keep`` tenants served,
+        the idle ones served least are summed into one total; one page of counters at
+        their class's floor is dropped. Returns the tenants folded."""
+        reply = self._run("fold", fold_call(self.keys, keep, self.counters_cursor, COUNTERS_PAGE))
+        cursor = reply[1]
+        self.counters_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        return int(reply[0])
 
     def traces(self, ids: Sequence[str]) -> list[str | None]:
         """The trace context each stored request carries (None: none, or gone)."""

@@ -22,7 +22,7 @@ FIXED_KEYS: dict[str, tuple[str, ...]] = {
     "enqueue": ("pending", "requests", "sched", "settings", "wake", "depth", "delayed", "stats",
                 "dead", "attempts", "history", "call", "fair", "fair_tenants", "vtc"),
     "claim": ("pending", "delayed", "sched", "requests", "attempts", "leased", "owner",
-              "settings", "depth", "claim", "fair", "fair_tenants", "vtc", "served"),
+              "settings", "depth", "claim", "fair", "fair_tenants", "vtc", "served", "rates"),
     "complete": ("requests", "sched", "attempts", "leased", "owner", "settings", "stats",
                  "history"),
     "fail": ("requests", "sched", "attempts", "leased", "owner", "delayed", "dead", "settings",
@@ -40,6 +40,7 @@ FIXED_KEYS: dict[str, tuple[str, ...]] = {
     "workers": ("workers", "settings"),
     "oldest": ("pending", "sched"),
     "attach": ("cancelled", "result"),
+    "fold": ("served", "depth", "vtc", "fair_tenants"),
 }
 NAMES = tuple(FIXED_KEYS)
 
@@ -75,6 +76,7 @@ class Scripts:
     workers: Any
     oldest: Any
     attach: Any
+    fold: Any
 
 
 def _same_errors(script: Any) -> Any:

@@ -67,6 +67,9 @@ class QueueSettings:
     # Most requests one tenant may hold queued (on a sharded queue, ceil(N / shards) per
     # shard); over it, its enqueues get QueueFull (reason tenant). Absent or 0: no limit.
     tenant_max_pending: dict[str, int] = field(default_factory=dict)
+    # Most tokens per second a tenant is served (on a sharded queue, rate / shards per
+    # shard); over it, its requests wait, nobody else's. Absent or 0: no limit.
+    tenant_token_rates: dict[str, float] = field(default_factory=dict)
 
     def to_redis(self) -> dict[str, str]:
         """The settings as the flat hash the Lua scripts read."""
@@ -74,6 +77,8 @@ class QueueSettings:
                 for k, v in asdict(self).items() if k not in _MAPS}
         for name, prefix in _MAPS.items():
             flat.update({prefix + key: str(v) for key, v in getattr(self, name).items()})
+        # whether any rate is set: a claim reads the buckets only then (lua/claim.lua)
+        flat[RATED] = str(sum(1 for v in self.tenant_token_rates.values() if v > 0))
         return flat
 
     @classmethod
@@ -81,7 +86,8 @@ class QueueSettings:
         base = cls()
         values: dict[str, Any] = {}
         maps: dict[str, dict[str, Any]] = {"class_delays": dict(base.class_delays),
-                                           "tenant_weights": {}, "tenant_max_pending": {}}
+                                           "tenant_weights": {}, "tenant_max_pending": {},
+                                           "tenant_token_rates": {}}
         for key, raw in flat.items():
             name, _, rest = key.partition(":")
             if rest and name + ":" in _MAP_OF:
@@ -119,11 +125,19 @@ class QueueSettings:
             if isinstance(most, bool) or not isinstance(most, int) or not 0 <= most <= 1_000_000_000:
                 raise ConfigError(f"tenant max pending for {name!r} must be an integer from 0 "
                                   f"(no limit) to 1000000000, got {most!r}")
+        for name, rate in self.tenant_token_rates.items():
+            if not (isinstance(rate, (int, float)) and math.isfinite(rate)
+                    and 0 <= rate <= MAX_TENANT_TOKEN_RATE):
+                raise ConfigError(f"tenant token rate for {name!r} must be a number of tokens "
+                                  f"per second from 0 (no limit) to {MAX_TENANT_TOKEN_RATE:g}, "
+                                  f"got {rate!r}")
 
 
 MAX_CLASS_DELAY_S = 7 * 86_400  # a class (or an integer priority) waits a week at most: past that, it is a schedule
 # A weight's range: counters grow by tokens / weight and stay exact in Lua's doubles.
 MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.01, 1000.0
+# A token rate's ceiling: far above any GPU pool's tokens per second, and exact in Lua.
+MAX_TENANT_TOKEN_RATE = 1e9
 MAX_SHARDS = 256  # more than any cluster's masters need; keeps per-claim head reads small
 # Accepted range of each numeric setting. The upper bounds keep every value one Redis
 # and Lua can use (an expire of 10**16 s is "invalid expire time" on every commit).
@@ -143,9 +157,11 @@ LIMITS: dict[str, tuple[float, float]] = {
 # The settings that map names to values, each stored as one hash field per name, under
 # its prefix: "delay:batch", "tenant_weight:team-a", "tenant_max_pending:team-a".
 _MAPS = {"class_delays": "delay:", "tenant_weights": "tenant_weight:",
-         "tenant_max_pending": "tenant_max_pending:"}
+         "tenant_max_pending": "tenant_max_pending:", "tenant_token_rates": "tenant_token_rate:"}
+RATED = "tenant_rates"  # the hash's count of tenants with a token rate (not a setting)
 _MAP_OF = {prefix: name for name, prefix in _MAPS.items()}
-_MAP_TYPES = {"class_delays": float, "tenant_weights": float, "tenant_max_pending": int}
+_MAP_TYPES = {"class_delays": float, "tenant_weights": float, "tenant_max_pending": int,
+              "tenant_token_rates": float}
 _PARSERS = {"int": int, "float": float, "str": str, "bool": lambda raw: raw != "0"}
 _FIELD_TYPES = {f.name: _PARSERS[str(f.type)]
                 for f in fields(QueueSettings) if f.name not in _MAPS}

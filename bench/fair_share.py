@@ -9,9 +9,12 @@
    B alone first. B's completion (submitted to finished) against alone, A's lines/s (its
    RQ run) and the padding efficiency (tokens / padded tokens over the run).
 2. Shares: three tenants of weights 1, 1 and 2, each kept backlogged (topped up to
-   BACKLOG queued), one worker; the tokens served to each per 30 s window.
+   BACKLOG queued), one worker; the tokens served to each per 30 s window, summed over
+   the queue's shards (``--shards N``: the queue spread over N). Beside them a fourth
+   tenant sends a realtime request every PROBE_EVERY_S and waits for it: its latency's
+   p50 and p99, fair share against by age.
 
-``python -m bench.fair_share [--quick]``
+``python -m bench.fair_share [--quick] [--shards N] [--shares-only]``
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rq import Worker
 from batchery import Client
 from batchery.connection import RedisSettings
 from batchery.producer.jobs import bookkeeping as jobs
+from batchery.batching.inspection import merge_loads
 from batchery.producer.jobs.cli import DEFAULT_JOBS
 from bench import common
 
@@ -39,6 +43,7 @@ B_DELAY_S = 2.0
 WEIGHTS = {"t1": 1.0, "t2": 1.0, "t3": 2.0}
 BACKLOG = 1000           # requests each tenant keeps queued in the shares run
 WINDOW_S = 30.0
+PROBE_EVERY_S = 0.2      # realtime requests sent beside the shares' flood: 5 a second
 
 
 def write_job(path: Path, lines: int, seed: int) -> Path:
@@ -94,18 +99,23 @@ def jobs_run(url: str, folder: Path, label: str, big: int, small: int, fair: boo
     return row
 
 
-def shares_run(url: str, seconds: float, fair: bool) -> dict[str, Any]:
-    """Three weighted tenants kept backlogged for ``seconds``: tokens served per window."""
+def shares_run(url: str, seconds: float, fair: bool, shards: int = 1) -> dict[str, Any]:
+    """Three weighted tenants kept backlogged for ``seconds``: tokens served per window;
+    realtime requests beside them: their latency."""
     queue = f"shares-{time.monotonic_ns()}"
-    worker = common.batchery_worker(url, queue, *RUNNER)
     stop = threading.Event()
     windows: list[dict[str, float]] = []
+    latencies: list[float] = []
+    worker = None
     try:
         with Client(url, queue) as client:
-            client.queue.update_settings(fair_share=fair, tenant_weights=WEIGHTS)
+            client.queue.update_settings(fair_share=fair, tenant_weights=WEIGHTS, shards=shards)
+            worker = common.batchery_worker(url, queue, *RUNNER)
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
-            feeder = threading.Thread(target=feed, args=(client, stop))
-            feeder.start()
+            threads = [threading.Thread(target=feed, args=(client, stop)),
+                       threading.Thread(target=probe, args=(url, queue, stop, latencies))]
+            for thread in threads:
+                thread.start()
             last = served(client)
             for _ in range(int(seconds // WINDOW_S)):
                 time.sleep(WINDOW_S)
@@ -113,30 +123,50 @@ def shares_run(url: str, seconds: float, fair: bool) -> dict[str, Any]:
                 windows.append({t: now[t] - last[t] for t in WEIGHTS})
                 last = now
             stop.set()
-            feeder.join()
+            for thread in threads:
+                thread.join()
     finally:
         stop.set()
-        common.stop([worker])
+        common.stop([worker] if worker else [])
     shares = [{t: 100 * w[t] / max(1, sum(w.values())) for t in WEIGHTS} for w in windows]
     want = {t: 100 * w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
     worst = max(abs(s[t] - want[t]) for s in shares for t in WEIGHTS) if shares else float("nan")
-    return {"scenario": "fair share" if fair else "by age", "windows": len(shares),
+    return {"scenario": "fair share" if fair else "by age", "shards": shards,
+            "windows": len(shares),
             **{f"share_{t}": " / ".join(f"{s[t]:.1f}" for s in shares) for t in WEIGHTS},
-            "worst": worst}
+            "worst": worst, "rt_n": len(latencies),
+            "rt_p50": 1000 * common.percentile(latencies, 50) if latencies else float("nan"),
+            "rt_p99": 1000 * common.percentile(latencies, 99) if latencies else float("nan")}
+
+
+def loads(client: Client) -> dict[str, dict[str, int]]:
+    """Each tenant's load summed over the queue's shards."""
+    return merge_loads(*(q.tenant_loads() for q in client.queue.shards))
 
 
 def served(client: Client) -> dict[str, int]:
-    loads = client.queue.first.tenant_loads()
-    return {t: loads.get(t, {}).get("served_tokens", 0) for t in WEIGHTS}
+    now = loads(client)
+    return {t: now.get(t, {}).get("served_tokens", 0) for t in WEIGHTS}
+
+
+def probe(url: str, queue: str, stop: threading.Event, latencies: list[float]) -> None:
+    """A realtime request every PROBE_EVERY_S, each waited for: its latency in seconds."""
+    rng = random.Random(4)
+    with Client(url, queue, tenant="realtime-app") as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            client.enqueue({"n": rng.randint(*LENGTHS)}, priority="realtime").result(timeout=60)
+            latencies.append(time.monotonic() - started)
+            stop.wait(max(0.0, PROBE_EVERY_S - (time.monotonic() - started)))
 
 
 def feed(client: Client, stop: threading.Event) -> None:
     """Keep each tenant BACKLOG requests queued; tenant t3 first, so that by age it leads."""
     rng = random.Random(3)
     while not stop.is_set():
-        loads = client.queue.first.tenant_loads()
+        loads_now = loads(client)
         for tenant in sorted(WEIGHTS, reverse=True):
-            missing = BACKLOG - loads.get(tenant, {}).get("pending", 0)
+            missing = BACKLOG - loads_now.get(tenant, {}).get("pending", 0)
             if missing > BACKLOG // 4:
                 client.enqueue_many(({"input": {"n": rng.randint(*LENGTHS)}, "priority": "batch",
                                       "tenant": tenant} for _ in range(missing)), reply=False)
@@ -146,42 +176,59 @@ def feed(client: Client, stop: threading.Event) -> None:
 JOB_COLUMNS = [("scenario", "scenario", ""), ("b_s", "B done in s", ".2f"),
                ("b_x", "B vs alone", ".2f"), ("a_rate", "A lines/s", ".0f"),
                ("padding", "padding efficiency", ".3f")]
-SHARE_COLUMNS = [("scenario", "scenario", ""), ("windows", "30 s windows", "d"),
+SHARE_COLUMNS = [("scenario", "scenario", ""), ("shards", "shards", "d"),
+                 ("windows", "30 s windows", "d"),
                  *((f"share_{t}", f"{t} (w={w:g}) %", "") for t, w in WEIGHTS.items()),
-                 ("worst", "worst gap, points", ".1f")]
+                 ("worst", "worst gap, points", ".1f"), ("rt_n", "realtime sent", "d"),
+                 ("rt_p50", "realtime p50 ms", ".1f"), ("rt_p99", "realtime p99 ms", ".1f")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--shards", type=int, default=1, help="also run the shares on a queue of "
+                   "this many shards")
+    p.add_argument("--shares-only", action="store_true", help="the shares runs alone")
+    args = p.parse_args(argv)
     big, small = (4000, 200) if args.quick else (20_000, 200)
     seconds = 60.0 if args.quick else 90.0
     with common.private_redis() as url, tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         runs: dict[Any, list[dict[str, Any]]] = {None: [], False: [], True: []}
-        for n in range(args.repeat):  # interleaved; each scenario's best run is kept
+        for n in range(0 if args.shares_only else args.repeat):  # interleaved; best kept
             for fair in runs:
                 what = {None: "job B alone", False: "A then B by age", True: "A then B, fair share"}
                 common.log(f"fair share: {what[fair]} ({n + 1}/{args.repeat}) ...")
                 runs[fair].append(jobs_run(url, folder, f"{fair}-{n}", big, small, fair))
-        rows = [min(runs[None], key=lambda r: r["b_s"]),
-                *(max(runs[fair], key=lambda r: r["a_rate"]) for fair in (False, True))]
-        alone = rows[0]
+        rows = [] if args.shares_only else [
+            min(runs[None], key=lambda r: r["b_s"]),
+            *(max(runs[fair], key=lambda r: r["a_rate"]) for fair in (False, True))]
         for row in rows:
-            row["b_x"] = row["b_s"] / alone["b_s"]
+            row["b_x"] = row["b_s"] / rows[0]["b_s"]
         shares = []
-        for fair in (False, True):
-            common.log(f"fair share: three tenants 1/1/2, {'fair share' if fair else 'by age'} ...")
-            shares.append(shares_run(url, seconds, fair))
-    fair_row, age_row = rows[2], rows[1]
-    text = common.table(rows, JOB_COLUMNS) + "\n\n" + common.table(shares, SHARE_COLUMNS)
-    checks = [
-        f"B with fair share done in {fair_row['b_x']:.2f}x its time alone (by age "
-        f"{age_row['b_x']:.2f}x; target < 3x): {'met' if fair_row['b_x'] < 3 else 'MISSED'}",
-        f"A's lines/s with fair share {100 * (fair_row['a_rate'] / age_row['a_rate'] - 1):+.1f}% of "
-        f"by age, padding efficiency {100 * (fair_row['padding'] / age_row['padding'] - 1):+.1f}% "
-        "(target within 5%)",
-        f"weighted shares 25/25/50: worst window {shares[1]['worst']:.1f} points off "
-        f"(target within 3): {'met' if shares[1]['worst'] <= 3 else 'MISSED'}"]
+        for shards in sorted({1, args.shards}):
+            for fair in (False, True):
+                common.log(f"fair share: three tenants 1/1/2 and realtime beside, {shards} "
+                           f"shard(s), {'fair share' if fair else 'by age'} ...")
+                shares.append(shares_run(url, seconds, fair, shards))
+    text = common.table(shares, SHARE_COLUMNS)
+    checks = []
+    if rows:
+        fair_row, age_row = rows[2], rows[1]
+        text = common.table(rows, JOB_COLUMNS) + "\n\n" + text
+        checks += [
+            f"B with fair share done in {fair_row['b_x']:.2f}x its time alone (by age "
+            f"{age_row['b_x']:.2f}x; target < 3x): {'met' if fair_row['b_x'] < 3 else 'MISSED'}",
+            f"A's lines/s with fair share {100 * (fair_row['a_rate'] / age_row['a_rate'] - 1):+.1f}% "
+            f"of by age, padding efficiency "
+            f"{100 * (fair_row['padding'] / age_row['padding'] - 1):+.1f}% (target within 5%)"]
+    for age, fair in zip(shares[0::2], shares[1::2]):
+        checks += [
+            f"{fair['shards']} shard(s): weighted shares 25/25/50, worst window "
+            f"{fair['worst']:.1f} points off (target within 3): "
+            f"{'met' if fair['worst'] <= 3 else 'MISSED'}",
+            f"{fair['shards']} shard(s): realtime p99 with fair share {fair['rt_p99']:.1f} ms, by age "
+            f"{age['rt_p99']:.1f} ms ({100 * (fair['rt_p99'] / age['rt_p99'] - 1):+.1f}%; target "
+            f"within 10%): {'met' if fair['rt_p99'] <= 1.1 * age['rt_p99'] else 'MISSED'}"]
     print(f"\n## Fair share ({common.machine()})\n\n{text}\n\n" + "\n".join(checks) + "\n")
     common.save("fair_share", {"machine": common.machine(), "jobs": rows,
                                "runs": {str(k): v for k, v in runs.items()}, "shares": shares,

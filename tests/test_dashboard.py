@@ -87,7 +87,7 @@ def test_state_holds_the_stats_workers_dead_letters_and_aging(redis_url: str, sc
                  message="two depth samples")
         html = board.get("").body
         assert f'data-queue="{scene["idle"]}"' in html and "<svg" in html
-        assert idle["tenants"] == {"default": {"pending": 4, "served_tokens": 0}}
+        assert idle["tenants"] == {"default": {"pending": 4, "inflight": 0, "served_tokens": 0}}
         assert 'data-tenant="default"' in html
         assert scene["dead_id"] in html and "RuntimeError" in html
         assert '"bad"' not in html

@@ -152,3 +152,33 @@ def test_a_fair_batch_is_overtaken_only_by_what_is_more_urgent_than_the_class(
     assert queue.head_rank() >= against                      # ...and do not overtake it
     queue.enqueue([Request.validated(id="urgent", input="x", priority="realtime", tokens=1)])
     assert queue.head_rank() < against
+
+
+def test_a_tenant_over_its_token_rate_is_passed_over_and_nothing_else(queue: RequestQueue) -> None:
+    """Over its rate, a tenant's requests wait (in the fair claim, by the global lookahead,
+    at the head of the queue or behind it); the others are served; when only its requests
+    are left, the claim says when its bucket refills (not "nothing pending")."""
+    queue.update_settings(tenant_token_rates={"a": 50.0})  # a bucket of 50 tokens
+    enqueue(queue, "a", 40, 1, priority="realtime")        # a heads the queue
+    enqueue(queue, "b", 10, 2)
+    enqueue(queue, "c", 10, 3)
+    taken: dict[str, int] = {}
+    for n in range(40):
+        reply = queue.claim(f"w#rate-{n}", MAX_SIZE, BUDGET, 0, 256)
+        for r in reply.batch:
+            taken[r.tenant] = taken.get(r.tenant, 0) + r.tokens
+        if not reply.batch:
+            break
+    assert taken["b"] and taken["c"] and not queue.client.hget(queue.keys.depth, "tenant:b")
+    assert 0 < taken["a"] <= 50 + BUDGET, taken  # its burst, and one batch past it at most
+    assert reply.wait_ms > 0 and not reply.batch  # a waits for its bucket
+    queue.update_settings(tenant_token_rates={"a": 0.0})  # no limit, at once
+    assert queue.claim("w#rate-lifted", MAX_SIZE, BUDGET, 0, 256).batch
+
+
+def test_token_rates_are_checked() -> None:
+    from batchery.batching.settings import DEFAULTS
+    from batchery.errors import ConfigError
+    for bad in (-1.0, float("nan"), 1e12):
+        with pytest.raises(ConfigError, match="token rate for 'a'"):
+            DEFAULTS.updated(tenant_token_rates={"a": bad})

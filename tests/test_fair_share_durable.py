@@ -14,7 +14,7 @@ import redis
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
 from batchery.connection import RedisSettings
-from tests.conftest import RedisServer, start_worker, stop_process, wait_for
+from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -106,3 +106,41 @@ def test_counters_and_places_survive_an_aof_restart_and_a_worker_kill(queue_name
         stop_process(proc, signal.SIGKILL)
         conn.close()
         server.close()
+
+
+def test_a_tenant_over_its_token_rate_waits_alone_and_the_rate_changes_at_run_time(
+        redis_url: str, queue_name: str, rconn: redis.Redis) -> None:
+    """hog (realtime, so its requests head the queue) is held to its token rate while
+    other (batch, behind all of hog's) is served at once; lifting the rate at run time
+    lets hog drain; nothing is lost."""
+    queue = RequestQueue(rconn, queue_name)
+    rate = 400  # tokens per second
+    assert run_cli("queue", "config", queue_name, "--tenant-token-rate", f"hog={rate}",
+                   redis_url=redis_url).returncode == 0
+    hog = [f"hog-{i}" for i in range(600)]  # 12 s at its rate
+    queue.enqueue([Request.validated(id=i, input=i, priority="realtime", tokens=TOKENS,
+                                     tenant="hog") for i in hog])
+    other = enqueue(queue, "other", 100, "behind")
+    proc = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                        "--max-batch-size", "8", "--max-batch-tokens", str(BUDGET),
+                        "--max-wait-ms", "0")
+    try:
+        started = time.monotonic()
+        wait_for(lambda: all(queue.results(other)), 30, message="other's results")
+        took = time.monotonic() - started
+        first = served(rconn, queue).get("hog", 0)
+        time.sleep(3)  # hog alone, at its rate
+        gained = served(rconn, queue).get("hog", 0) - first
+        # a bucket's second of burst and a batch on top at most; near the rate at least
+        assert 0.6 * 3 * rate <= gained <= 3 * rate + rate + BUDGET, gained
+        assert first <= (took + 1) * rate + BUDGET, (first, took)  # other did not lift it
+        assert conn_pending(rconn, queue, "hog") > 100
+        assert run_cli("queue", "config", queue_name, "--tenant-token-rate", "hog=0",
+                       redis_url=redis_url).returncode == 0
+        wait_for(lambda: all(queue.results(hog)), 30, message="hog's results, its rate lifted")
+    finally:
+        stop_process(proc)
+
+
+def conn_pending(conn: redis.Redis, queue: RequestQueue, tenant: str) -> int:
+    return int(conn.hget(queue.keys.depth, f"tenant:{tenant}") or 0)

@@ -11,8 +11,10 @@ import pytest
 import redis
 
 from batchery import AsyncClient, Client, InvalidRequest, QueueFull
+from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
+from batchery.batching.inspection import SERVED_KEPT
 from batchery.batching.settings import QueueSettings
 from batchery.batching.request import RequestIds, map_requests
 from batchery.producer.jobs.files import LineParser
@@ -141,9 +143,10 @@ def test_queue_stats_shows_the_most_loaded_tenants_and_sums_the_rest(
             client.enqueue_many([{"input": "x", "tokens": 5, "tenant": f"team-{t:02d}"}
                                  for _ in range(t + 1)], reply=False)
         claimed = client.queue.claim("w#stats", 20, 10**9, 0, 4096)
-    served = {}
+    served, inflight = {}, {}
     for r in claimed.batch:
         served[r.tenant] = served.get(r.tenant, 0) + r.tokens
+        inflight[r.tenant] = inflight.get(r.tenant, 0) + 1
     done = run_cli("queue", "stats", "--queue", queue_name, "--json", redis_url=redis_url)
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stdout)["queues"][queue_name]
@@ -158,5 +161,55 @@ def test_queue_stats_shows_the_most_loaded_tenants_and_sums_the_rest(
         stats["tenants_other"]["served_tokens"] == sum(served.values()) > 0
     assert sum(v["pending"] for v in shown.values()) + stats["tenants_other"]["pending"] == \
         stats["pending"]
+    assert {t: v["inflight"] for t, v in shown.items()} == {t: inflight.get(t, 0) for t in shown}
+    assert sum(v["inflight"] for v in shown.values()) + stats["tenants_other"]["inflight"] == \
+        stats["inflight"] == len(claimed.batch)
     text = run_cli("queue", "stats", "--queue", queue_name, redis_url=redis_url).stdout
-    assert "team-12" in text and "(3 other tenants)" in text
+    assert "team-12" in text and "(3 other tenants)" in text and "inflight" in text.split("tenant of")[1]
+
+
+def claim_and_finish(queue: RequestQueue, token: str, size: int) -> int:
+    """Claim a batch and commit its results at once (its tenants leave the queue)."""
+    batch = queue.claim(token, size, 10**9, 0, 4096).batch
+    queue.complete([(r.id, r.lease_token, Result(r.id, "ok", output=1).to_json()) for r in batch],
+                   {})
+    return len(batch)
+
+
+def test_the_served_totals_stay_bounded_however_many_tenants_come_and_go(
+        queue: RequestQueue) -> None:
+    """A job id per tenant: past SERVED_KEPT tenants served, the reaper folds the idle ones
+    served least into one sum (stats count and add them in "other"); the most served and
+    those with work queued stay by name; counters at their class's floor are dropped."""
+    n = SERVED_KEPT + 300
+    queue.enqueue([Request.validated(id=f"job-{i}", input="x", tokens=1 + i % 7,
+                                     tenant=f"job-{i}") for i in range(n)])
+    queue.enqueue([Request.validated(id=f"big-{i}", input="x", tokens=50, tenant="big")
+                   for i in range(40)])
+    while claim_and_finish(queue, f"w#fold-{queue.client.zcard(queue.keys.pending)}", 256):
+        pass
+    # one more tenant served alone a while: the class's floor passes the job ids' counters
+    queue.enqueue([Request.validated(id=f"later-{i}", input="x", tokens=50, tenant="later")
+                   for i in range(20)])
+    while claim_and_finish(queue, f"w#later-{queue.client.zcard(queue.keys.pending)}", 1):
+        pass
+    waiting_tenant = "job-0"  # served least, but with work queued again
+    queue.enqueue([Request.validated(id="job-0-again", input="x", tokens=1, tenant=waiting_tenant)])
+    before = {t: int(v) for t, v in queue.client.hgetall(queue.keys.served).items()}
+    counters = queue.client.hlen(queue.keys.vtc)
+    queue.reap()  # the reaper's turn folds
+    after = queue.client.hgetall(queue.keys.served)
+    named = {t for t in after if not t.startswith("\t")}
+    assert len(named) <= SERVED_KEPT // 2 + 1
+    assert {"big", waiting_tenant} <= named  # the most served, the one with work queued
+    assert int(after["\tfolded_tenants"]) == len(before) - len(named)
+    assert sum(int(v) for t, v in after.items() if t in named) + int(after["\tfolded_tokens"]) \
+        == sum(before.values())
+    while queue.fold_tenants() or queue.counters_cursor != "0":  # the rest of the walk
+        pass
+    assert queue.client.hlen(queue.keys.vtc) < counters / 2
+    stats = queue.stats(workers=False)
+    assert stats["tenants_other"]["tenants"] + len(stats["tenants"]) == len(before)
+    assert stats["tenants_other"]["served_tokens"] + sum(
+        v["served_tokens"] for v in stats["tenants"].values()) == sum(before.values())
+    assert queue.fold_tenants() == 0  # nothing more to fold until more tenants come

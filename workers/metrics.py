@@ -39,6 +39,9 @@ TENANT_QUEUED = Gauge("batchery_tenant_queued", "Queued requests (pending + retr
 TENANT_SERVED = Gauge("batchery_tenant_served_tokens", "Tokens claimed for the most loaded "
                       "tenants since the queue began (the rest summed as \"(other)\")",
                       ["queue", "tenant"], multiprocess_mode="max")
+TENANT_INFLIGHT = Gauge("batchery_tenant_inflight", "Requests in flight (leased) of the most "
+                        "loaded tenants; the rest summed as tenant=\"(other)\"",
+                        ["queue", "tenant"], multiprocess_mode="max")
 OTHER_TENANT = "(other)"
 _tenant_series: set[str] = set()
 REDIS_ERRORS_BY = Counter("batchery_redis_errors_total", "Permanent Redis errors (a command "
@@ -139,8 +142,9 @@ def tenant_loads(queue: str, shown: dict[str, dict[str, int]], other: dict[str, 
     for tenant, load in loads.items():
         TENANT_QUEUED.labels(queue, tenant).set(load["pending"])
         TENANT_SERVED.labels(queue, tenant).set(load["served_tokens"])
+        TENANT_INFLIGHT.labels(queue, tenant).set(load["inflight"])
     for tenant in _tenant_series - set(loads):
-        for gauge in (TENANT_QUEUED, TENANT_SERVED):
+        for gauge in (TENANT_QUEUED, TENANT_SERVED, TENANT_INFLIGHT):
             try:
                 gauge.remove(queue, tenant)
             except KeyError:

@@ -11,6 +11,7 @@
 -- K.claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
 -- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --          counters (_common.lua fair_*)   K.served  HASH tenant -> tokens claimed
+-- K.rates  HASH tenant -> "level:ms": the token bucket of a tenant with a token rate
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
@@ -62,6 +63,40 @@ for i = 9, #ARGV - 1, 2 do
   end
 end
 local now = now_ms()
+
+-- Token rate limits (settings tenant_token_rate:NAME, docs/fair-share.md): a tenant's
+-- bucket holds at most RATE_BURST_S of its rate (a shard's rate: rate / shards), refills
+-- at it and is charged the tokens each claim serves the tenant; while it is empty (at or
+-- below 0: one claim may take it below) the tenant's requests are passed over, nobody
+-- else's. limited(tenant) reads a tenant's bucket once per claim; refill_ms: the
+-- soonest a passed-over tenant's bucket is above 0 again.
+local RATE_BURST_S = 1  -- a second's worth: a burst of one batch or so, no saved-up flood
+local rated = setting(K.settings, 'tenant_rates', 0) ~= 0
+local rate_of, level_of, refill_ms = {}, {}, nil
+local function limited(tenant)
+  if not rated then return false end
+  if level_of[tenant] == nil then
+    local rate = tonumber(rcall('HGET', K.settings, 'tenant_token_rate:' .. tenant) or '0') or 0
+    rate = rate / math.max(1, tonumber(setting(K.settings, 'shards', 1)) or 1)
+    level_of[tenant], rate_of[tenant] = false, rate
+    if rate > 0 then
+      local level, at = string.match(rcall('HGET', K.rates, tenant) or '', '^(-?[%d.]+):(%d+)$')
+      level_of[tenant] = math.min(rate * RATE_BURST_S,
+        level and tonumber(level) + rate * (now - tonumber(at)) / 1000 or rate * RATE_BURST_S)
+    end
+  end
+  local level = level_of[tenant]
+  if not level or level > 0 then return false end
+  local ms = math.floor(-level / rate_of[tenant] * 1000) + 1
+  refill_ms = math.min(refill_ms or ms, ms)
+  return true
+end
+-- Charge a rate-limited tenant's bucket the tokens a claim served it.
+local function rate_charge(tenant, tokens)
+  if rated and not limited(tenant) and level_of[tenant] then
+    rcall('HSET', K.rates, tenant, string.format('%.3f:%d', level_of[tenant] - tokens, now))
+  end
+end
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
 -- expired ones first; scheds: their entries when the caller holds them already.
@@ -162,8 +197,12 @@ local function fair_reader(head)
   if not raw then return nil end
   local s = parse_sched(raw)
   if not rcall('ZSCORE', K.fair, fair_member(s.class, s.tenant, s.rank, head)) then return nil end
-  local backlog = fair_backlog(K, s.class, FAIR_TENANTS_READ)
-  if #backlog < 2 then return nil end
+  local backlog, open = fair_backlog(K, s.class, FAIR_TENANTS_READ), {}
+  for _, t in ipairs(backlog) do  -- those over their token rate are passed over
+    if not limited(t.tenant) then open[#open + 1] = t end
+  end
+  if #open < 2 and not (rated and #open == 1) then return nil end
+  backlog = open
   local r = {class = s.class, i = 1, after = nil, stale = {}, tenants = {}}
   for _, t in ipairs(backlog) do
     if t.counter > backlog[1].counter + max_tokens then break end
@@ -233,19 +272,52 @@ local function fair_settle(taken, stale, counts)
     fair_charge(K, t.class, t.tenant, t.tokens, weight > 0 and weight or 1)  -- (checked: > 0)
   end
   for tenant, tokens in pairs(served) do
-    if tokens > 0 then rcall('HINCRBY', K.served, tenant, tokens) end
+    if tokens > 0 then
+      rcall('HINCRBY', K.served, tenant, tokens)
+      rate_charge(tenant, tokens)
+    end
   end
 end
 
 -- `count` pending ids from `offset` on, in rank order, none ranked above the ceiling
+-- (nor below start_rank, when the head's tenant is over its token rate: open_head)
+local start_rank = nil
 local function global_ids(offset, count)
-  if ceiling then
-    return rcall('ZRANGEBYSCORE', K.pending, '-inf', ceiling, 'LIMIT', offset, count)
+  if ceiling or start_rank then
+    return rcall('ZRANGEBYSCORE', K.pending, start_rank or '-inf', ceiling or '+inf',
+                 'LIMIT', offset, count)
   end
   return rcall('ZRANGE', K.pending, offset, offset + count - 1)
 end
+-- The most urgent sub-queue head of a tenant not over its token rate (of each class's
+-- FAIR_TENANTS_READ least served): (id, rank), or nil when every one is over its rate.
+local function open_head()
+  local best_id, best_rank, after = nil, nil, '-'
+  while true do
+    local first = rcall('ZRANGE', K.fair_tenants, after, '+', 'BYLEX', 'LIMIT', 0, 1)[1]
+    if not first then return best_id, best_rank end
+    local class = string.match(first, '^([^\t]*)')
+    for _, t in ipairs(fair_backlog(K, class, FAIR_TENANTS_READ)) do
+      if not limited(t.tenant) then
+        local low, high = lex_range(class .. '\t' .. t.tenant)
+        local m = rcall('ZRANGE', K.fair, low, high, 'BYLEX', 'LIMIT', 0, 1)[1]
+        local rank, id = string.match(m or '', '^[^\t]*\t[^\t]*\t(%d+)\t(.*)$')
+        rank = tonumber(rank)
+        if rank and (not best_rank or rank < best_rank)
+            and (not ceiling or rank <= tonumber(ceiling)) then
+          best_id, best_rank = id, rank
+        end
+      end
+    end
+    after = '[' .. class .. '\n'  -- the next class (no class or tenant holds a newline)
+  end
+end
 local head_id = global_ids(0, 1)[1]
 local head_rank = head_id and tonumber(rcall('ZSCORE', K.pending, head_id)) or 0
+local head_sched = rated and head_id and rcall('HGET', K.sched, head_id)
+if head_sched and limited(parse_sched(head_sched).tenant) then
+  head_id, start_rank = open_head()  -- the global lookahead starts there too
+end
 local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(head_id) or nil
 -- the next `count` candidates (read in turn: `offset` is where the last read ended)
 local function pending_ids(offset, count)
@@ -263,6 +335,7 @@ if #ids == 0 then
   fair_settle({}, stale, {})
   -- all above the ceiling (another shard's head came first since it was read): ask again
   if ceiling and rcall('ZCARD', K.pending) > 0 then return {now, 1, 0} end
+  if refill_ms then return {now, refill_ms, 0} end  -- all that is pending is over its rate
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
@@ -288,6 +361,8 @@ local function scan(first)
     end
     if not tokens then
       orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
+    elseif rated and limited(parse_sched(scheds[i]).tenant) then
+      -- over its token rate: passed over
     elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
       expired[#expired + 1] = i
     else
@@ -382,6 +457,7 @@ for _, i in ipairs(take) do taken[ids[i]] = true end
 write_counts(taken)
 if #take == 0 then
   fair_settle({}, stale, {})
+  if wait == 0 and refill_ms then wait = refill_ms end  -- what is left is over its rate
   return {now, wait, 0}
 end
 
