@@ -41,6 +41,7 @@ class ShardClaims(ShardLayout):
     _wake: WakeWatch | None = None
     _layout_checked = 0.0
     _last_claim: tuple[str, int] = ("", 0)  # the last claim's token and shard
+    _turn = 0  # which of the shards whose heads are near the most urgent claims next
 
     def _heads(self, shards: Sequence[RequestQueue], zset: str = "pending",
                count: bool = True) -> tuple[list[float | None], int]:
@@ -81,8 +82,12 @@ class ShardClaims(ShardLayout):
         ranked = sorted((rank, i) for i, rank in enumerate(heads) if rank is not None)
         if counts:
             target = shard_of(counts[0][0], len(shards))
-        elif ranked:
-            target = ranked[0][1]
+        elif ranked:  # the shards whose heads are within the slack take turns, so each is
+            # drained at the pace of the others: each shares its classes between its
+            # tenants, and the sum does too (one claimed alone ran its heavy tenant dry)
+            near = [i for rank, i in ranked if rank <= ranked[0][0] + SHARD_SLACK_MS]
+            self._turn += 1
+            target = near[self._turn % len(near)]
         else:  # a due retry moves to pending in its claim; else shard 0 says "none"
             due, _ = self._heads(shards, "delayed", count=False)
             retries = sorted((at, i) for i, at in enumerate(due) if at is not None)

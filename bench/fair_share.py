@@ -135,8 +135,8 @@ def shares_run(url: str, seconds: float, fair: bool, shards: int = 1) -> dict[st
             "windows": len(shares),
             **{f"share_{t}": " / ".join(f"{s[t]:.1f}" for s in shares) for t in WEIGHTS},
             "worst": worst, "rt_n": len(latencies),
-            "rt_p50": 1000 * common.percentile(latencies, 50) if latencies else float("nan"),
-            "rt_p99": 1000 * common.percentile(latencies, 99) if latencies else float("nan")}
+            "rt_p50": 1000 * common.percentile(latencies, 0.5) if latencies else float("nan"),
+            "rt_p99": 1000 * common.percentile(latencies, 0.99) if latencies else float("nan")}
 
 
 def loads(client: Client) -> dict[str, dict[str, int]]:

@@ -182,3 +182,35 @@ def test_token_rates_are_checked() -> None:
     for bad in (-1.0, float("nan"), 1e12):
         with pytest.raises(ConfigError, match="token rate for 'a'"):
             DEFAULTS.updated(tenant_token_rates={"a": bad})
+
+
+def test_the_share_holds_across_shards(rconn: redis.Redis, queue_name: str) -> None:
+    """Four shards, each with its own counters; a claim goes to the shard with the most
+    urgent head. a's backlog is older than b's by twice the shards' ceiling slack (by age
+    a would be served alone for a while); both kept backlogged (each claim's requests
+    enqueued again), they are served 1 : 2 by weight, within each shard's bound summed."""
+    from batchery.batching.sharded import open_queue
+    shards, weights = 4, {"a": 1.0, "b": 2.0}
+    sharded = open_queue(rconn, queue_name)
+    sharded.update_settings(shards=shards, tenant_weights={"b": 2.0})
+    rng, made = random.Random(7), itertools.count()
+
+    def add(tenant: str, n: int) -> None:
+        sharded.enqueue([Request.validated(id=f"{tenant}-{next(made)}", input="x",
+                                           priority="batch", tokens=rng.randint(1, 16),
+                                           tenant=tenant) for _ in range(n)])
+    add("a", 800)
+    time.sleep(0.5)  # b's ranks come 500 ms after a's: twice SHARD_SLACK_MS
+    add("b", 800)
+    served, gaps = dict.fromkeys(weights, 0.0), []
+    for _ in range(300):
+        taken = dict.fromkeys(weights, 0)
+        for r in sharded.claim(f"w#{next(TOKENS)}", MAX_SIZE, BUDGET, 0, 256).batch:
+            served[r.tenant] += r.tokens / weights[r.tenant]
+            taken[r.tenant] += 1
+        for tenant, n in taken.items():
+            add(tenant, n)
+        gaps.append(abs(served["a"] - served["b"]))
+    assert max(gaps) <= shards * bound(weights), (max(gaps), shards * bound(weights))
+    share_b = served["b"] * 2 / (served["a"] + served["b"] * 2)
+    assert abs(share_b - 2 / 3) < 0.03, share_b  # b's share of the tokens served: 2/3

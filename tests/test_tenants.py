@@ -126,10 +126,15 @@ def test_bad_tenant_settings_are_refused_with_the_reason(redis_url: str, queue_n
     for args, words in ((("--tenant-weight", "a"), "TENANT=VALUE"),
                         (("--tenant-weight", "a=0"), "0.01"),
                         (("--tenant-max-pending", "a=-1"), "0 (no limit)"),
-                        (("--tenant-max-pending", "=3"), "TENANT=VALUE")):
+                        (("--tenant-max-pending", "=3"), "TENANT=VALUE"),
+                        (("--tenant-token-rate", "a=-5"), "0 (no limit)"),
+                        (("--tenant-token-rate", "a=fast"), "TENANT=VALUE")):
         done = run_cli("queue", "config", queue_name, *args, redis_url=redis_url)
         assert done.returncode != 0 and words in done.stderr and "Traceback" not in done.stderr, \
             (args, done.stderr)
+    done = run_cli("queue", "config", queue_name, "--tenant-token-rate", "a=250", "--json",
+                   redis_url=redis_url)
+    assert done.returncode == 0 and json.loads(done.stdout)["tenant_token_rates"] == {"a": 250.0}
 
 
 @pytest.mark.parametrize("shards", [1, 3])

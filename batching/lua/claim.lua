@@ -21,7 +21,8 @@
 --         to price before any batch is chosen; 0: choose on estimates
 -- ARGV[8] rank ceiling: lease nothing ranked above it ('' none). A sharded queue's
 --         claimer passes the next shard's head rank + SHARD_SLACK_MS (batching/sharded.py)
---         so no shard's head is overtaken by much later requests of another.
+--         so no shard's head is overtaken by much later requests of another (save by
+--         the fair claim's tenants of the head's class: fair_reader).
 -- ARGV[9..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
@@ -188,7 +189,9 @@ end
 -- The fair-share reader of class: its backlogged tenants within `quantum` of the least
 -- served, each one's sub-queue in rank order, in counter order; nil when fewer than two
 -- of them are backlogged or the global head is not in its sub-queue (it is served by
--- the global lookahead then, so no request is out of reach). r.read(count) gives the
+-- the global lookahead then, so no request is out of reach). The rank ceiling of a
+-- sharded claim bounds the head (the class served), not the tenants read within its
+-- class: each shard shares its class as one queue would, so the shards' sum is shared. r.read(count) gives the
 -- next `count` ids still pending at their rank; the entries found stale (cancelled,
 -- claimed as another id's, enqueued again) are listed in r.stale to drop.
 local FAIR_TENANTS_READ = 64  -- tenants one claim may draw from: bounds its time
@@ -218,7 +221,6 @@ local function fair_reader(head)
       for _, m in ipairs(entries) do
         r.after = m
         local rank, id = string.match(m, '^[^\t]*\t[^\t]*\t(%d+)\t(.*)$')
-        if ceiling and tonumber(rank) > tonumber(ceiling) then done = true; break end
         local score = rcall('ZSCORE', K.pending, id)
         if score and tonumber(score) == tonumber(rank) then out[#out + 1] = id
         else r.stale[#r.stale + 1] = {m, r.class, r.tenants[r.i]} end
