@@ -41,7 +41,7 @@ RUNNER = ("--runner", "bench.runners:padded_cost")  # and the worker's default f
 LENGTHS = (8, 128)       # tokens per request, uniform
 B_DELAY_S = 2.0
 WEIGHTS = {"t1": 1.0, "t2": 1.0, "t3": 2.0}
-BACKLOG = 1000           # requests each tenant keeps queued in the shares run
+BACKLOG = 1000           # requests each tenant keeps queued per shard in the shares run
 WINDOW_S = 30.0
 PROBE_EVERY_S = 0.2      # realtime requests sent beside the shares' flood: 5 a second
 
@@ -112,7 +112,7 @@ def shares_run(url: str, seconds: float, fair: bool, shards: int = 1) -> dict[st
             client.queue.update_settings(fair_share=fair, tenant_weights=WEIGHTS, shards=shards)
             worker = common.batchery_worker(url, queue, *RUNNER)
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
-            threads = [threading.Thread(target=feed, args=(client, stop)),
+            threads = [threading.Thread(target=feed, args=(client, stop, BACKLOG * shards)),
                        threading.Thread(target=probe, args=(url, queue, stop, latencies))]
             for thread in threads:
                 thread.start()
@@ -160,14 +160,15 @@ def probe(url: str, queue: str, stop: threading.Event, latencies: list[float]) -
             stop.wait(max(0.0, PROBE_EVERY_S - (time.monotonic() - started)))
 
 
-def feed(client: Client, stop: threading.Event) -> None:
-    """Keep each tenant BACKLOG requests queued; tenant t3 first, so that by age it leads."""
+def feed(client: Client, stop: threading.Event, backlog: int) -> None:
+    """Keep each tenant ``backlog`` requests queued (so every shard holds some of each:
+    unbounded backlogs); tenant t3 first, so that by age it leads."""
     rng = random.Random(3)
     while not stop.is_set():
         loads_now = loads(client)
         for tenant in sorted(WEIGHTS, reverse=True):
-            missing = BACKLOG - loads_now.get(tenant, {}).get("pending", 0)
-            if missing > BACKLOG // 4:
+            missing = backlog - loads_now.get(tenant, {}).get("pending", 0)
+            if missing > backlog // 4:
                 client.enqueue_many(({"input": {"n": rng.randint(*LENGTHS)}, "priority": "batch",
                                       "tenant": tenant} for _ in range(missing)), reply=False)
         stop.wait(0.2)
