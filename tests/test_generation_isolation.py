@@ -17,8 +17,8 @@ from batchery import Client
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.runners import load_runner
-from batchery.workers.runners.decoding import DecodeBatch
-from batchery.workers.runners.sampling import (Rows, SamplingError, choose, new_generator,
+from batchery.workers.generation.batch import DecodeBatch
+from batchery.workers.generation.sampling import (Rows, SamplingError, choose, new_generator,
                                                 parse_params)
 from tests.generation_helpers import build_gpt2, generate_worker
 

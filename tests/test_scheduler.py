@@ -1,4 +1,4 @@
-"""The generate worker's admission and preemption rules (workers/scheduler.py), one test
+"""The generate worker's admission and preemption rules (workers/generation/scheduler.py), one test
 per rule, over plain data: no torch, no Redis, no model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchery.workers.scheduler import Budget, Entry, admit, room
+from batchery.workers.generation.scheduler import Budget, Entry, admit, room
 
 BUDGET = Budget(sequences=4, tokens=100)
 
@@ -86,5 +86,5 @@ def test_budgets_hold_and_each_sequence_has_one_place(waiting_specs, running_spe
 
 
 def test_the_scheduler_needs_no_torch() -> None:
-    check = "import sys; import batchery.workers.scheduler; assert 'torch' not in sys.modules"
+    check = "import sys; import batchery.workers.generation.scheduler; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0

@@ -95,7 +95,7 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     model_runner = load_runner(task, model, runner, device, allow_download, dtype)
     placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
     if task == "generate" and not runner:  # one decode loop; sequences join and leave it
-        from batchery.workers.generating import generate_defaults
+        from batchery.workers.generation.worker import generate_defaults
         options, threads = generate_defaults(model_runner, options, set(given), threads, _cores())
         parallel_batches, max_batch_size = 1, options.max_batch_size
     elif task == "generate":
@@ -119,7 +119,7 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
              parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)
     if task == "generate" and not runner:  # a decode loop instead of whole batches
-        from batchery.workers.generating import GenerateWorker as Worker
+        from batchery.workers.generation.worker import GenerateWorker as Worker
     else:
         from batchery.workers.loop import Worker  # type: ignore[assignment]
     log.info("redis %s, queue %r, %s", settings.describe(), queue, options.model)

@@ -95,6 +95,15 @@ def generate_seconds(phase: str) -> Any:
     return GENERATE_SECONDS.labels(_queue, phase)
 
 
+def count_generate_turn(before: dict[str, float], now: dict[str, float], total_s: float) -> None:
+    """Count a decode-loop turn's ``total_s`` by phase: the batch's model and sampling
+    seconds (``now`` less ``before``), the rest host (scheduling, Redis, text)."""
+    for phase in ("model", "sampling"):
+        generate_seconds(phase).inc(now[phase] - before.get(phase, 0.0))
+    busy = sum(now.values()) - sum(before.values())
+    generate_seconds("host").inc(max(0.0, total_s - busy))
+
+
 def redis_error(operation: str) -> Any:
     """The counter of permanent Redis errors in ``operation`` (commit, fail, claim...)."""
     return REDIS_ERRORS_BY.labels(_queue, operation)

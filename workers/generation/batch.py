@@ -1,6 +1,6 @@
 """Iteration-level batching: sequences join and leave between decode steps.
 
-The running sequences share one left-padded KV cache, written in place (runners/kv_slab.py:
+The running sequences share one left-padded KV cache, written in place (generation/kv_slab.py:
 a step writes one column per row, a newcomer's prefill cache is copied into a free row, a
 row that leaves is replaced by the last one), with an attention mask marking each row's
 real tokens; each row keeps its own position counter, so padding never shifts a position.
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from batchery.workers.runners.kv_slab import Slab
-from batchery.workers.runners.sampling import GenParams, Rows, choose, new_generator
+from batchery.workers.generation.kv_slab import Slab
+from batchery.workers.generation.sampling import GenParams, Rows, choose, new_generator
 
 
 @dataclass(eq=False)

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from batchery.workers.execution import Outcome
-from batchery.workers.runners.decoding import Sequence
+from batchery.workers.generation.batch import Sequence
 
 DEADLINE_ERROR = {"type": "DeadlineExceeded",
                   "message": "the deadline passed while generating; output holds the text so far"}
@@ -23,6 +23,12 @@ def outcome(s: Sequence, runner: Any, batch_size: int) -> Outcome:
     expired = s.finish_reason == "deadline"
     return Outcome(s.key.request, output=output, expired=expired, batch_size=batch_size,
                    run_ms=run_ms, error=dict(DEADLINE_ERROR) if expired else None)
+
+
+def cancelled(s: Sequence) -> dict[str, Any]:
+    """What a cancelled sequence's result holds: the text it had generated."""
+    return {"text": s.text, "tokens": len(s.generated), "prompt_tokens": len(s.prompt_ids),
+            "finish_reason": "cancelled"}
 
 
 def logprobs(s: Sequence, runner: Any) -> list[dict[str, Any]]:

@@ -1,11 +1,11 @@
 """``--task generate``: causal LM text generation.
 
-The worker runs it with continuous batching (workers/generating.py over
-runners/decoding.py): ``sequence`` and ``new_batch`` are what that loop uses. ``prepare``
+The worker runs it with continuous batching (workers/generation/worker.py over
+generation/batch.py): ``sequence`` and ``new_batch`` are what that loop uses. ``prepare``
 and ``run`` are the static batch (greedy, left padding, the whole batch for its longest
 generation) that other callers and the benchmark's baseline use.
 
-An input is a prompt string or an object (runners/sampling.py lists its fields). A
+An input is a prompt string or an object (generation/sampling.py lists its fields). A
 request costs its prompt plus its new tokens, which is what the budget counts.
 """
 
@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchery.workers.runners.base import InputError, Prepared
-from batchery.workers.runners.decoding import DecodeBatch, Sequence
+from batchery.workers.generation.batch import DecodeBatch, Sequence
 from batchery.workers.runners.hf import HFRunner, count_texts, to_device
-from batchery.workers.runners.sampling import GenParams, parse_params
+from batchery.workers.generation.sampling import GenParams, parse_params
 
 
 class GenerateRunner(HFRunner):

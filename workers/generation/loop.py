@@ -1,5 +1,5 @@
 """The generate worker's model thread: one decode step at a time, claiming from Redis
-into the room freed between steps (see workers/generating.py for the whole design)."""
+into the room freed between steps (see workers/generation/worker.py for the whole design)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from typing import Any, Callable
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
-from batchery.workers import decode_output, metrics, scheduler, tracing
+from batchery.connection import Backoff, retrying
+from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
+from batchery.workers.generation import outputs, scheduler, text
+from batchery.workers.generation.batch import Prefill, Sequence
+from batchery.workers.generation.lookout import Lookout
 from batchery.workers.leases import Leases, report_redis_error
-from batchery.workers.lookout import Lookout
-from batchery.connection import retrying
 from batchery.workers.results import ResultWriter
-from batchery.workers.runners.decoding import Prefill, Sequence
 
 log = logging.getLogger(__name__)
-RETRY_CAP_S = 5.0
 
 
 @dataclass(eq=False)
@@ -50,18 +50,18 @@ class DecodeLoop:
         # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
         self._preempting: list[Sequence] = []
         self.streams = StreamWriter(queue_.client, queue_.keys_for)
-        self._claim_backoff, self._claim_after = 0.1, 0.0
+        self._claim_backoff, self._claim_after = Backoff(), 0.0
         self._spent: dict[str, float] = {}  # the batch's seconds by phase, as last counted
         self.lookout = Lookout(queue_)  # the head's rank and the leases, read off the step's path
 
     def run(self, stop: Any, burst: bool) -> None:
         self.lookout.start()
         try:
-            self._run(stop, burst)
+            self._turns(stop, burst)
         finally:
             self.lookout.stop()
 
-    def _run(self, stop: Any, burst: bool) -> None:
+    def _turns(self, stop: Any, burst: bool) -> None:
         handed_back = False
         while True:
             started = time.perf_counter()
@@ -80,18 +80,9 @@ class DecodeLoop:
                 self._step()
             self._check_leases()
             self._flush_streams()
-            self._time_phases(started)
-
-    def _time_phases(self, started: float) -> None:
-        """Count this turn's time by phase: the batch's model and sampling time, the rest
-        host (the step's critical path: scheduling, Redis, text)."""
-        spent = dict(self.batch.seconds)
-        total = time.perf_counter() - started
-        for phase in ("model", "sampling"):
-            metrics.generate_seconds(phase).inc(spent[phase] - self._spent.get(phase, 0.0))
-        busy = sum(spent.values()) - sum(self._spent.values())
-        metrics.generate_seconds("host").inc(max(0.0, total - busy))
-        self._spent = spent
+            spent = dict(self.batch.seconds)  # this turn's time by phase
+            metrics.count_generate_turn(self._spent, spent, time.perf_counter() - started)
+            self._spent = spent
 
     # -- admission -------------------------------------------------------------------
     def _running(self) -> list[Sequence]:
@@ -129,13 +120,13 @@ class DecodeLoop:
         try:
             claimed, reply = self.claimer.claim_requests(
                 *size, self.options.max_wait_ms if idle else 0)
-            self._claim_backoff = 0.1
+            self._claim_backoff.reset()
         except Exception as exc:  # Redis away: keep decoding, claim again later
-            report_redis_error("claim", exc, self._claim_backoff)
-            self._claim_after = time.monotonic() + self._claim_backoff
-            self._claim_backoff = min(2 * self._claim_backoff, RETRY_CAP_S)
+            wait_s = self._claim_backoff.next()
+            report_redis_error("claim", exc, wait_s)
+            self._claim_after = time.monotonic() + wait_s
             if idle:
-                time.sleep(self._claim_backoff)
+                time.sleep(wait_s)
             return True
         if claimed:
             self.count(claimed_ms=reply.now_ms)
@@ -172,7 +163,7 @@ class DecodeLoop:
 
     def _admit(self) -> None:
         """Start prefilling what waits and preempt for it, as the scheduler decides
-        (workers/scheduler.py: most urgent first, while it fits, pausing less urgent
+        (workers/generation/scheduler.py: most urgent first, while it fits, pausing less urgent
         decoding rows for a more urgent newcomer); the rest waits for room."""
         decision = scheduler.admit([_entry(s) for s in self.waiting],
                                    [_entry(s) for s in self._running()],
@@ -250,7 +241,7 @@ class DecodeLoop:
         self.prefilling += [self.batch.start(seqs[:half]), self.batch.start(seqs[half:])]
         self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
 
-    def _cut_preempted(self) -> None:
+    def _cut_preempted(self) -> None:  # (see _preempting)
         if self._preempting:
             self.batch.drop(self._preempting)
             self._preempting = []
@@ -318,10 +309,10 @@ class DecodeLoop:
                 s.finish_reason = "error"
                 failed.append((s, token))
                 continue
-            self._append(s, token)
+            text.append(s, token, self.runner)
             if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
                 s.finish_reason = "deadline"
-                s.text = s.text if s.params.stop else self.runner.text(s.generated)
+                s.text = text.so_far(s, self.runner)
             if s.params.stream:
                 self._stream(s)
             if s.finish_reason:
@@ -331,48 +322,15 @@ class DecodeLoop:
                 self.batch.drop(ended + [s for s, _ in failed])
             self._commit(ended, failed)
 
-    def _append(self, s: Sequence, token: int) -> None:
-        """Add the token; a row that streams or has stop strings decodes only what the
-        token adds (runner.text_delta) and looks for its stops in the new tail alone."""
-        p = s.params
-        if token in self.runner.eos_ids:
-            s.finish_reason = "stop"
-        else:
-            s.generated.append(token)
-        if p.stop or p.stream:
-            before = len(s.text)
-            last = s.finish_reason is not None or len(s.generated) >= p.max_new_tokens
-            s.text += self.runner.text_delta(s, final=last)
-            if p.stop and len(s.text) > before:
-                tail = max(0, before - max(len(stop) for stop in p.stop) + 1)
-                cut = min((i for i in (s.text.find(stop, tail) for stop in p.stop) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    s.text, s.finish_reason = s.text[:cut], "stop"
-        if s.finish_reason is None and len(s.generated) >= p.max_new_tokens:
-            s.finish_reason = "length"
-        if s.finish_reason and not (p.stop or p.stream):
-            s.text = self.runner.text(s.generated)
-
     def _stream(self, s: Sequence) -> None:
-        """Write the new text, less a trailing half character (a byte-level token may
-        end inside one) and what could begin a stop string; all of it at the end. If
-        decoding ever rewrote text already sent, the rest waits for the result."""
-        if not s.text.startswith(s.sent):
-            return
-        shown = len(s.text)
-        if not s.finish_reason:
-            shown = min(len(s.text.rstrip("\ufffd")), shown - s.params.holdback)
-        # the first token always gets an entry, its text possibly empty (a special token):
-        # the reader learns that generation started
-        if shown > len(s.sent) or len(s.generated) == 1 and not s.sent:
-            self.streams.text(s.key.request.id, s.text[len(s.sent):shown], len(s.generated))
-            s.sent = s.text[:shown]
+        delta = text.stream_delta(s)
+        if delta is not None:
+            self.streams.text(s.key.request.id, delta, len(s.generated))
 
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
         size = len(self.batch.rows) + len(ended)
-        outcomes = [decode_output.outcome(s, self.runner, size) for s in ended]
+        outcomes = [outputs.outcome(s, self.runner, size) for s in ended]
         failed = failed or []
         outcomes += [failure(s.key.request, exc) for s, exc in failed]
         by_claim: dict[int, list[Outcome]] = {}
@@ -386,13 +344,7 @@ class DecodeLoop:
     def _check_leases(self) -> None:
         """Stop sequences whose lease is gone: cancelled (their stream ends here), or taken
         over by another worker after a stall (that worker's run restarts the stream)."""
-        held = self._running() + self.waiting
-        self.lookout.watch([s.key.request.id for s in held])
-        owners = self.lookout.owners()
-        if owners is None:
-            return
-        read = [(s, owners[s.key.request.id]) for s in held if s.key.request.id in owners]
-        lost = [(s, owner) for s, owner in read if owner != s.key.request.lease_token]
+        lost = self.lookout.lost(self._running() + self.waiting)
         if not lost:
             return
         gone = [s for s, _ in lost]
@@ -416,9 +368,8 @@ class DecodeLoop:
     def _attach(self, s: Sequence) -> None:
         """Give a cancelled sequence's result the text generated so far, before its stream
         ends (the reader reads the result at the end)."""
-        s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
-        output = {"text": s.text, "tokens": len(s.generated),
-                      "prompt_tokens": len(s.prompt_ids), "finish_reason": "cancelled"}
+        s.text = text.so_far(s, self.runner)
+        output = outputs.cancelled(s)
         try:
             self.queue.attach_output(s.key.request.id, s.key.request.lease_token, output)
         except Exception as exc:  # the result stays the cancel's, without output

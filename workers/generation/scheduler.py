@@ -1,6 +1,6 @@
 """The generate worker's admission and preemption decisions, over plain data.
 
-No torch and no Redis here: ``workers/decode_loop.py`` hands in what waits and what runs
+No torch and no Redis here: ``workers/generation/loop.py`` hands in what waits and what runs
 (each as its queue rank and the cache tokens it may come to hold) and applies the
 decision (prefill these, pause those), as vLLM's ``Scheduler.schedule()`` is apart from
 its model runner. The rules, each with its test in ``tests/test_scheduler.py``:

@@ -18,10 +18,10 @@ max_new_tokens), is cancelled or passes its deadline leaves at once; its result 
 committed by the ResultWriter while the batch decodes on.
 
 The decoding is batchery's own loop on transformers' DynamicCache, not transformers'
-ContinuousBatchingManager: runners/decoding.py says why.
+ContinuousBatchingManager: generation/batch.py says why.
 
 Leases: the heartbeat renews them while sequences run; a thread of the loop's own
-(workers/lookout.py) reads every 50 ms who holds them, and the queue's head every 20 ms,
+(workers/generation/lookout.py) reads every 50 ms who holds them, and the queue's head every 20 ms,
 off the step's path; between steps the loop stops what it no longer holds, so a
 cancelled request stops within a step or two and frees its room. A claimed request with no room yet (the
 claim always takes the head, whatever its size) waits in ``waiting`` under its lease.
@@ -45,7 +45,7 @@ import torch
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
-from batchery.workers.decode_loop import DecodeLoop
+from batchery.workers.generation.loop import DecodeLoop
 from batchery.workers.execution import BatchCap, Outcome
 from batchery.workers.loop import Worker
 from batchery.workers.options import ACCELERATOR_SEQUENCES, CPU_SEQUENCES, WorkerOptions
