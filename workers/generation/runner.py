@@ -48,19 +48,10 @@ class GenerateRunner(HFRunner):
         return Sequence(key, params, list(ids))
 
     def prompt(self, params: GenParams) -> str:
-        """The text the model continues: the prompt, or the chat messages rendered by the
-        tokenizer's chat template (a plain "role: content" transcript when it has none)."""
-        if not params.messages:
-            return params.prompt
-        messages = [{"role": r, "content": c} for r, c in params.messages]
-        if self._templated(params):
-            return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True)
-        return "".join(f"{r}: {c}\n" for r, c in params.messages) + "assistant:"
+        return render_prompt(self._tokenizer, params)
 
     def _templated(self, params: GenParams) -> bool:
-        """A chat rendered by the template, which writes its special tokens itself."""
-        return bool(params.messages) and bool(getattr(self._tokenizer, "chat_template", None))
+        return templated(self._tokenizer, params)
 
     def new_batch(self) -> DecodeBatch:
         return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id)
@@ -98,7 +89,7 @@ class GenerateRunner(HFRunner):
 
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
         """Prompt (cut to the room its new tokens leave) plus its new tokens."""
-        params = [_params_or_none(v) for v in inputs]
+        params = [params_or_none(v) for v in inputs]
         counts = count_texts(self._tokenizer, [p and self.prompt(p) for p in params],
                              self.max_input_tokens)
         return [None if c is None or p is None else
@@ -121,7 +112,23 @@ class GenerateRunner(HFRunner):
         return results
 
 
-def _params_or_none(value: Any) -> GenParams | None:
+def render_prompt(tokenizer: Any, params: GenParams) -> str:
+    """The text the model continues: the prompt, or the chat messages rendered by the
+    tokenizer's chat template (a plain "role: content" transcript when it has none)."""
+    if not params.messages:
+        return params.prompt
+    messages = [{"role": r, "content": c} for r, c in params.messages]
+    if templated(tokenizer, params):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{r}: {c}\n" for r, c in params.messages) + "assistant:"
+
+
+def templated(tokenizer: Any, params: GenParams) -> bool:
+    """A chat rendered by the template, which writes its special tokens itself."""
+    return bool(params.messages) and bool(getattr(tokenizer, "chat_template", None))
+
+
+def params_or_none(value: Any) -> GenParams | None:
     try:
         return parse_params(value)
     except InputError:  # it fails alone when it runs

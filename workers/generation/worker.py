@@ -45,6 +45,8 @@ import torch
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
+from batchery.workers.generation.engine import EngineRunner
+from batchery.workers.generation.engine_loop import EngineLoop
 from batchery.workers.generation.loop import DecodeLoop
 from batchery.workers.execution import BatchCap, Outcome
 from batchery.workers.loop import Worker
@@ -62,7 +64,7 @@ class GenerateWorker(Worker):
     thread running a decode loop instead of whole batches."""
 
     claims_ahead = False  # the decode loop claims between its steps
-    loop: DecodeLoop
+    loop: DecodeLoop | EngineLoop
 
     def info(self) -> dict[str, Any]:
         """The batch worker's report, and the sequences preempted so far."""
@@ -79,6 +81,11 @@ class GenerateWorker(Worker):
         log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache, "
                  "prefill chunks of %s tokens", self.id, queue_.name, o.max_batch_size,
                  o.max_batch_tokens, o.prefill_chunk_tokens or "all the")
+        if isinstance(self.runner, EngineRunner):  # --engine vllm: the engine steps
+            self.loop = EngineLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count)
+            self.loop.run(self.stop, burst)
+            self.batches_run = self.loop.steps
+            return
         self.loop = DecodeLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count, cap)
         self.loop.run(self.stop, burst)
         self.batches_run = self.loop.batch.steps
@@ -101,9 +108,17 @@ def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], thre
     takes what is there: waiting would stall the running sequences), a short lookahead,
     and on a CPU one
     core left to the threads that claim, stream and commit around the model."""
+    changes: dict[str, Any] = {}
+    if isinstance(runner, EngineRunner):  # its memory is the engine's: the budget only
+        sequences = options.max_batch_size if "max_batch_size" in given else ACCELERATOR_SEQUENCES
+        changes.update(max_batch_size=sequences,  # bounds what is claimed into it
+                       max_batch_tokens=options.max_batch_tokens if "max_batch_tokens" in given
+                       else sequences * runner.max_input_tokens)
+        changes.update(max_wait_ms=options.max_wait_ms if "max_wait_ms" in given else 0,
+                       lookahead=options.lookahead or 4 * sequences)
+        return replace(options, **changes), threads
     device = torch.device(getattr(runner, "device", "cpu"))
     on_cpu = device.type == "cpu"
-    changes: dict[str, Any] = {}
     if "max_batch_size" not in given:
         changes["max_batch_size"] = CPU_SEQUENCES if on_cpu else ACCELERATOR_SEQUENCES
     sequences = changes.get("max_batch_size", options.max_batch_size)
