@@ -376,10 +376,11 @@ class DecodeLoop:
             log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
 
     def _flush_streams(self) -> None:
-        try:
-            self.streams.flush()
-        except Exception as exc:  # streams are best effort; results are not
-            log.warning("writing token streams failed: %s", exc)
+        """Hand the stream entries added so far to the writer's thread: written off the
+        step's path, in order with the commits (a stream's text before its end)."""
+        entries = self.streams.take()
+        if entries:
+            self.writer.later(lambda: self.streams.write(entries))
 
 
 def _entry(s: Sequence) -> scheduler.Entry:
