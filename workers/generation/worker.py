@@ -65,9 +65,13 @@ class GenerateWorker(Worker):
     loop: DecodeLoop
 
     def info(self) -> dict[str, Any]:
-        """The batch worker's report, and the sequences preempted so far."""
+        """The batch worker's report, the sequences preempted so far, and the prefix
+        cache's hit rate (prompt tokens reused / prompt tokens prefilled)."""
         loop = getattr(self, "loop", None)
-        return {**super().info(), "preempted": loop.preempted if loop else 0}
+        prefixes = loop.batch.prefixes if loop else None
+        return {**super().info(), "preempted": loop.preempted if loop else 0,
+                "prefix_hit_rate": round(prefixes.hit_rate, 4) if prefixes else 0,
+                "prefix_reused_tokens": prefixes.reused_tokens if prefixes else 0}
 
     def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None]:
         ends = StreamWriter(queue_.client, queue_.keys_for)  # the writer thread's own
