@@ -5,7 +5,6 @@ worker and Redis); block names, grouping, the bound and eviction over plain list
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
