@@ -50,18 +50,38 @@ def decode(batch: DecodeBatch, group: list[Sequence], steps: int) -> None:
             s.generated.append(t)
 
 
-def rounds(runner: Any, prefix_tokens: int, **params: Any) -> list[list[list[int]]]:
+def row_kv(batch: DecodeBatch, s: Sequence) -> torch.Tensor:
+    """A running row's keys and values over its real tokens, every layer: [2 x layers,
+    heads, tokens, dim], whatever the padding around them."""
+    slab, row = batch.slab, batch.rows.index(s)
+    real = slab.mask[row, slab.start:slab.end].bool()
+    return torch.stack([b[row, :, slab.start:slab.end][:, real] for b in (*slab.keys, *slab.values)])
+
+
+def assert_same_kv(on: dict[int, torch.Tensor], off: dict[int, torch.Tensor]) -> None:
+    """The cache holds what a prefill without it computes (to float rounding)."""
+    assert on.keys() == off.keys()
+    for key in on:
+        assert torch.allclose(on[key], off[key], atol=1e-5), f"row {key}'s KV differs"
+
+
+def rounds(runner: Any, prefix_tokens: int, kv: dict[Any, torch.Tensor] | None = None,
+           **params: Any) -> list[list[list[int]]]:
     """Every prompt together, then one at a time, then in chunks of 9 tokens: the tokens
-    each generated, round by round, on one batch (and one prefix cache)."""
+    each generated, round by round, on one batch (and one prefix cache); ``kv``: each
+    row's KV at the end of its round."""
     batch = runner.new_batch(prefix_tokens)
+    kv = {} if kv is None else kv
     out = []
     together = seqs(PROMPTS, **params)
     decode(batch, together, 11)
+    kv.update({(0, s.key): row_kv(batch, s) for s in together})
     batch.drop(list(batch.rows))
     out.append([s.generated for s in together])
     alone = seqs(PROMPTS, **params)
     for s in alone:
         decode(batch, [s], 11)
+        kv[1, s.key] = row_kv(batch, s)
         batch.drop([s])
     out.append([s.generated for s in alone])
     chunked = seqs(PROMPTS, **params)
@@ -76,11 +96,15 @@ def rounds(runner: Any, prefix_tokens: int, **params: Any) -> list[list[list[int
         for s, t in zip(list(batch.rows), batch.step()):
             s.generated.append(t)
     out.append([s.generated for s in chunked])
+    kv.update({(2, s.key): row_kv(batch, s) for s in chunked})
     return out
 
 
 def test_greedy_tokens_are_the_same_with_the_prefix_cache_as_without(runner) -> None:
-    off, on = rounds(runner, 0), rounds(runner, 4096)
+    kv_off: dict[Any, torch.Tensor] = {}
+    kv_on: dict[Any, torch.Tensor] = {}
+    off, on = rounds(runner, 0, kv_off), rounds(runner, 4096, kv_on)
+    assert_same_kv(kv_on, kv_off)
     for name, i in zip(TAILS, range(len(PROMPTS))):
         assert [r[i] for r in on] == [r[i] for r in off], name
     assert off[0] == off[1] == off[2]  # (the rounds agree among themselves too)
@@ -105,6 +129,25 @@ def test_a_preempted_sequence_is_prefilled_again_from_the_cache_and_goes_on_the_
     decode(batch, [paused], 12)  # prefilled again from its prompt and what it generated
     assert batch.prefixes.reused_tokens - reused >= len(SYSTEM)  # its prompt's blocks, at least
     assert paused.generated == alone[0].generated
+    assert_same_kv({0: row_kv(batch, paused)}, {0: row_kv(whole, alone[0])})
+
+
+def test_blocks_kept_from_a_padded_row_are_reused_as_prefilled(runner) -> None:
+    """A short row's blocks, kept after a prefill where it was left-padded beside a longer
+    one, give the same tokens to a later prompt that extends it."""
+    question = [rng.randrange(1000, 20000) for _ in range(2 * B + 3)]
+    later = question + [41, 42, 43, 44, 45, 46, 47]
+
+    def run(prefix_tokens: int) -> tuple[list[int], torch.Tensor, DecodeBatch]:
+        batch = runner.new_batch(prefix_tokens)
+        decode(batch, seqs([list(range(2000, 2000 + 4 * B)), question]), 3)
+        batch.drop(list(batch.rows))
+        (s,) = seqs([later])
+        decode(batch, [s], 11)
+        return s.generated, row_kv(batch, s), batch
+    (off, kv_off, _), (on, kv_on, batch) = run(0), run(4096)
+    assert on == off and batch.prefixes.reused_tokens == 2 * B
+    assert_same_kv({0: kv_on}, {0: kv_off})
 
 
 def test_newcomers_sharing_an_uncached_prefix_prefill_it_once(runner) -> None:
