@@ -12,9 +12,11 @@ import torch
 from prometheus_client import REGISTRY
 
 from batchery import Client
+from batchery.errors import ConfigError
 from batchery.workers.generation.batch import DecodeBatch, Sequence
 from batchery.workers.generation.prefix_cache import BLOCK_TOKENS, PrefixCache, chain
 from batchery.workers.generation.sampling import parse_params
+from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
 from tests.conftest import wait_for
 from tests.generation_helpers import build_gpt2, generate_worker
@@ -239,3 +241,15 @@ def test_a_worker_gives_the_same_texts_with_the_cache_and_reports_its_hit_rate(
     prompt = REGISTRY.get_sample_value("batchery_prefix_prompt_tokens_total", {"queue": queue_name})
     assert reused == on_info["prefix_reused_tokens"] and reused / prompt == pytest.approx(
         on_info["prefix_hit_rate"], abs=1e-3)
+
+
+def test_the_prefix_cache_option_is_checked_and_sized_from_the_kv_budget(redis_url, queue_name,
+                                                                           runner) -> None:
+    with pytest.raises(ConfigError, match="--prefix-cache-tokens must be 0 or more"):
+        WorkerOptions(prefix_cache_tokens=-1)
+    with generate_worker(redis_url, queue_name, runner, max_batch_tokens=1000) as worker:
+        loop = wait_for(lambda: getattr(worker, "loop", None), 10, message="the decode loop")
+        assert loop.batch.prefixes.capacity == 250 // B  # a quarter of the budget
+    with generate_worker(redis_url, queue_name, runner, prefix_cache_tokens=0) as worker:
+        loop = wait_for(lambda: getattr(worker, "loop", None), 10, message="the decode loop")
+        assert loop.batch.prefixes is None

@@ -9,6 +9,8 @@ a realtime arrival is prefilled and joins at the next step. A long prompt is pre
 chunk at a time (``prefill_chunk_tokens`` per step), between the running sequences'
 decode steps, unless it is more urgent than every decoding row: then it is prefilled
 whole (a decode step between its chunks would delay its first token by a step each).
+Requests sharing a prompt prefix reuse its KV from the prefix cache (generation/prefix_cache.py;
+``--prefix-cache-tokens``), and newcomers claimed together prefill a shared prefix once.
 When the worker is full and the queue's head is more urgent than a running
 sequence, the least urgent running ones are preempted: their cache is freed (after the
 newcomer's first token: the cut copies the cache) and they wait, still leased to this worker, to be prefilled again from their prompt and the
