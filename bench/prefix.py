@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode = "greedy" if args.greedy else f"sampling {SAMPLING}"
     print(f"\n## Shared prefix of {SYSTEM_TOKENS} tokens, {mode} ({common.machine()})\n\n"
           f"{text}\n\n{check}\n")
-    common.save("prefix", {"machine": common.machine(), "runs": rows, "target": check})
-    return {"table": text, "target": check}
+    common.save("prefix", {"machine": common.machine(), "runs": rows, "targets": [check]})
+    return {"table": text, "targets": [check]}
 
 
 if __name__ == "__main__":
