@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
               help="--task generate: prompt tokens prefilled per step while other sequences "
               f"decode (default {default_of(WorkerOptions, 'prefill_chunk_tokens')}; 0: a whole "
               "prompt at once).")
+@click.option("--prefix-cache-tokens", type=int,
+              help="--task generate: tokens of prompt-prefix KV kept for requests that share "
+              "a prefix (a system prompt) to reuse (default: a quarter of --max-batch-tokens; "
+              "0: off).")
 @click.option("--lookahead", default=default_of(WorkerOptions, "lookahead"), type=int,
               help="Candidates a claim picks similar lengths from (default "
               f"{DEFAULT_LOOKAHEAD}, or 4 x max "
@@ -75,7 +79,7 @@ log = logging.getLogger(__name__)
 @redis_options
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
            max_batch_size: int | None, max_batch_tokens: int | None, max_wait_ms: int | None,
-           prefill_chunk_tokens: int | None, lookahead: int,
+           prefill_chunk_tokens: int | None, prefix_cache_tokens: int | None, lookahead: int,
            metrics_port: int | None, concurrency: int, parallel_batches: int | None,
            threads: int | None, dtype: str, engine: str, burst: bool,
            allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
@@ -92,7 +96,8 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
                                ("parallel_batches", parallel_batches),
                                ("max_batch_tokens", max_batch_tokens),
                                ("max_wait_ms", max_wait_ms),
-                               ("prefill_chunk_tokens", prefill_chunk_tokens)) if v is not None}
+                               ("prefill_chunk_tokens", prefill_chunk_tokens),
+                               ("prefix_cache_tokens", prefix_cache_tokens)) if v is not None}
     options = WorkerOptions(queue=queue, lookahead=lookahead, model=runner or f"{task} {model}",
                             **given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread

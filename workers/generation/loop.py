@@ -16,7 +16,7 @@ from batchery.connection import Backoff, retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
-from batchery.workers.generation import outputs, scheduler, text
+from batchery.workers.generation import outputs, prefix_cache, scheduler, text
 from batchery.workers.generation.batch import Prefill, Sequence
 from batchery.workers.generation.lookout import Lookout
 from batchery.workers.leases import Leases, report_redis_error
@@ -41,7 +41,9 @@ class DecodeLoop:
                  count: Callable[..., None] = lambda **_: None, cap: BatchCap | None = None) -> None:
         self.queue, self.runner, self.claimer = queue_, runner, claimer
         self.leases, self.writer, self.options, self.count = leases, writer, options, count
-        self.batch = runner.new_batch()
+        prefix = options.prefix_cache_tokens  # None: a share of the KV budget
+        self.batch = runner.new_batch(int(prefix_cache.CACHE_SHARE * options.max_batch_tokens)
+                                      if prefix is None else prefix)
         self.cap = cap or BatchCap(options.oom_hold_s)  # sequences in flight, halved after OOM
         self.prefilling: list[Prefill] = []  # admitted, context being prefilled; most urgent first
         self.waiting: list[Sequence] = []    # claimed or preempted, no room yet; most urgent first
@@ -183,7 +185,7 @@ class DecodeLoop:
             seqs = list(group)
             for s in seqs:
                 s.key.started = s.key.started or time.perf_counter()
-            self.prefilling.append(self.batch.start(seqs))
+            self.prefilling += self.batch.prefills(seqs)  # one per shared prefix
         self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
 
     def _prefill(self) -> None:
@@ -199,7 +201,7 @@ class DecodeLoop:
             whole = not budget or least is None or max(_rank(s) for s in p.seqs) < least
             if not whole and spent >= budget:
                 return
-            before = p.done
+            fed, padded = p.fed, p.padded
             try:
                 with tracing.prefill([s.key.request for s in p.seqs]):  # a span per chunk
                     tokens = self.batch.advance(p, 0 if whole else budget - spent)
@@ -207,9 +209,8 @@ class DecodeLoop:
                 self.prefilling.remove(p)
                 self._bisect(p.seqs, exc, "prefill")
                 continue
-            chunk = p.mask[:, before:p.done]
-            spent += chunk.numel()
-            self.count(runs=1, tokens=int(chunk.sum()), padded=chunk.numel())
+            spent += p.padded - padded
+            self.count(runs=1, tokens=p.fed - fed, padded=p.padded - padded)
             if tokens is not None:
                 self.prefilling.remove(p)
                 self._joined(p, tokens)
@@ -238,7 +239,7 @@ class DecodeLoop:
         log.warning("%s of %d request(s) failed (%s: %s); trying each half apart", what,
                     len(seqs), type(exc).__name__, str(exc)[:200])
         half = len(seqs) // 2
-        self.prefilling += [self.batch.start(seqs[:half]), self.batch.start(seqs[half:])]
+        self.prefilling += self.batch.prefills(seqs[:half]) + self.batch.prefills(seqs[half:])
         self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
 
     def _cut_preempted(self) -> None:  # (see _preempting)

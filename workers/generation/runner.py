@@ -53,8 +53,9 @@ class GenerateRunner(HFRunner):
     def _templated(self, params: GenParams) -> bool:
         return templated(self._tokenizer, params)
 
-    def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id)
+    def new_batch(self, prefix_tokens: int = 0) -> DecodeBatch:
+        """An empty batch, with a prefix cache of ``prefix_tokens`` tokens (0: none)."""
+        return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id, prefix_tokens)
 
     def text(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

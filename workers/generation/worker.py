@@ -9,6 +9,8 @@ a realtime arrival is prefilled and joins at the next step. A long prompt is pre
 chunk at a time (``prefill_chunk_tokens`` per step), between the running sequences'
 decode steps, unless it is more urgent than every decoding row: then it is prefilled
 whole (a decode step between its chunks would delay its first token by a step each).
+Requests sharing a prompt prefix reuse its KV from the prefix cache (generation/prefix_cache.py;
+``--prefix-cache-tokens``), and newcomers claimed together prefill a shared prefix once.
 When the worker is full and the queue's head is more urgent than a running
 sequence, the least urgent running ones are preempted: their cache is freed (after the
 newcomer's first token: the cut copies the cache) and they wait, still leased to this worker, to be prefilled again from their prompt and the
@@ -67,9 +69,13 @@ class GenerateWorker(Worker):
     loop: DecodeLoop | EngineLoop
 
     def info(self) -> dict[str, Any]:
-        """The batch worker's report, and the sequences preempted so far."""
+        """The batch worker's report, the sequences preempted so far, and the prefix
+        cache's hit rate (prompt tokens reused / prompt tokens prefilled)."""
         loop = getattr(self, "loop", None)
-        return {**super().info(), "preempted": loop.preempted if loop else 0}
+        prefixes = loop.batch.prefixes if loop else None
+        return {**super().info(), "preempted": loop.preempted if loop else 0,
+                "prefix_hit_rate": round(prefixes.hit_rate, 4) if prefixes else 0,
+                "prefix_reused_tokens": prefixes.reused_tokens if prefixes else 0}
 
     def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None]:
         ends = StreamWriter(queue_.client, queue_.keys_for)  # the writer thread's own
