@@ -21,12 +21,12 @@ from batchery.batching.streams import StreamWriter
 from batchery.connection import Backoff, retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
-from batchery.workers.execution import Executed, Outcome, failure
+from batchery.workers.execution import Executed, failure
 from batchery.workers.generation import outputs, text
 from batchery.workers.generation.batch import Sequence
 from batchery.workers.generation.engine import EngineRunner
 from batchery.workers.generation.lookout import Lookout
-from batchery.workers.generation.loop import Slot
+from batchery.workers.generation.slot import Slot, rank
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.results import ResultWriter
 from batchery.workers.runners.base import InputError
@@ -84,7 +84,7 @@ class EngineLoop:
         head = self.lookout.head
         if slots >= 1 and tokens >= 1:
             size = slots, tokens
-        elif head is not None and head < max(_rank(s) for s in held):
+        elif head is not None and head < max(rank(s) for s in held):
             size = 1, 1  # a claim always takes the head, whatever its size
         else:
             return True
@@ -113,14 +113,13 @@ class EngineLoop:
 
     def _add(self, request: Claimed, now_ms: int) -> None:
         """Hand the request to the engine; one it refuses fails here, alone."""
-        deadline = (time.monotonic() + (request.expire_ms - now_ms) / 1000
-                    if request.expire_ms else None)
-        slot = Slot(request, now_ms, deadline, started=time.perf_counter())
+        slot = Slot.claimed(request, now_ms)
+        slot.started = time.perf_counter()
         try:
             s = self.runner.sequence(slot, request.input)
             try:
                 self.engine.add_request(_engine_id(request), {"prompt_token_ids": s.prompt_ids},
-                                        self.runner.engine_params(s.params), priority=_rank(s))
+                                        self.runner.engine_params(s.params), priority=rank(s))
             except ValueError as exc:  # the engine's word on this input: no retry
                 raise InputError(str(exc)) from exc
         except Exception as exc:  # InputError: no retry; anything else: retried as any
@@ -192,14 +191,8 @@ class EngineLoop:
 
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
-        size = len(self.running) + len(ended)
-        done = [(s, outputs.outcome(s, self.runner, size)) for s in ended]
-        done += [(s, failure(s.key.request, exc)) for s, exc in failed or []]
-        by_claim: dict[int, list[Outcome]] = {}
-        for s, outcome in done:
-            by_claim.setdefault(s.key.claimed_ms, []).append(outcome)
-        for claimed_ms, group in by_claim.items():
-            self.writer.submit(Executed(claimed_ms, group))
+        for executed in outputs.by_claim(ended, failed or [], self.runner, len(self.running) + len(ended)):
+            self.writer.submit(executed)
         self.count(requests=len(ended))
 
     # -- between steps -----------------------------------------------------------------
@@ -259,11 +252,6 @@ class EngineLoop:
 def _engine_id(request: Claimed) -> str:
     """The request's id in the engine: this claim of it (a rerun is another request)."""
     return f"{request.id}@{request.lease_token}"
-
-
-def _rank(s: Sequence) -> int:
-    """The request's rank in the queue (enqueue ms + class delay ms): lower is more urgent."""
-    return int(s.key.request.rank)
 
 
 def _logprobs(token: int, ranked: dict[int, Any], top: int) -> tuple[int, float, list[tuple[int, float]]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
@@ -15,24 +14,15 @@ from batchery.batching.streams import StreamWriter
 from batchery.connection import Backoff, retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
-from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
+from batchery.workers.execution import BatchCap, Executed, failure, is_out_of_memory
 from batchery.workers.generation import outputs, prefix_cache, scheduler, text
 from batchery.workers.generation.batch import Prefill, Sequence
 from batchery.workers.generation.lookout import Lookout
+from batchery.workers.generation.slot import Slot, rank
 from batchery.workers.leases import Leases, report_redis_error
 from batchery.workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Slot:
-    """A claimed request on this worker: the claim and the local clock's view of it."""
-
-    request: Claimed
-    claimed_ms: int        # Redis clock at claim
-    deadline: float | None  # time.monotonic() past which it stops (finish_reason deadline)
-    started: float = 0.0   # time.perf_counter() at prefill
 
 
 class DecodeLoop:
@@ -146,14 +136,12 @@ class DecodeLoop:
         if not self.batch.rows:
             return False
         head = self.lookout.head
-        least = max(_rank(s) for s in self.batch.rows)
-        return head is not None and head < least and (not self.waiting or head < _rank(self.waiting[0]))
+        least = max(rank(s) for s in self.batch.rows)
+        return head is not None and head < least and (not self.waiting or head < rank(self.waiting[0]))
 
     def _sequence(self, request: Claimed, now_ms: int) -> Sequence | None:
         """The request as a sequence; a request that cannot run fails here, alone."""
-        deadline = (time.monotonic() + (request.expire_ms - now_ms) / 1000
-                    if request.expire_ms else None)
-        slot = Slot(request, now_ms, deadline)
+        slot = Slot.claimed(request, now_ms)
         try:
             seq: Sequence = self.runner.sequence(slot, request.input)
         except Exception as exc:  # InputError: no retry; anything else: the runner's bug
@@ -178,15 +166,22 @@ class DecodeLoop:
             log.info("preempted %d sequence(s) for more urgent request(s)", len(decision.preempt))
         started = {id(s) for s in decision.start}
         self.waiting = sorted((s for s in self.waiting + decision.preempt if id(s) not in started),
-                              key=_rank)
+                              key=rank)
         # each priority class in its own prefill, most urgent first: a realtime newcomer's
         # first token does not wait for a long batch-class prompt claimed with it
         for _, group in itertools.groupby(decision.start, key=lambda s: s.key.request.priority):
             seqs = list(group)
             for s in seqs:
                 s.key.started = s.key.started or time.perf_counter()
-            self.prefilling += self.batch.prefills(seqs)  # one per shared prefix
-        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
+            self._start(seqs)
+        self.prefilling.sort(key=lambda p: min(rank(s) for s in p.seqs))
+
+    def _start(self, seqs: list[Sequence]) -> None:
+        """Their prefills, one per shared prefix; a failure is narrowed down (_bisect)."""
+        try:
+            self.prefilling += self.batch.prefills(seqs)
+        except Exception as exc:
+            self._bisect(seqs, exc, "admission")
 
     def _prefill(self) -> None:
         """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
@@ -195,10 +190,10 @@ class DecodeLoop:
         every decoding row is not chunked: the rows it would stall rank below it (as for
         preemption), and a decode step between its chunks would delay its first token."""
         budget = self.options.prefill_chunk_tokens if self.batch.rows else 0
-        least = max((_rank(s) for s in self._running_rows()), default=None)
+        least = max((rank(s) for s in self._running_rows()), default=None)
         spent = 0
         for p in list(self.prefilling):
-            whole = not budget or least is None or max(_rank(s) for s in p.seqs) < least
+            whole = not budget or least is None or max(rank(s) for s in p.seqs) < least
             if not whole and spent >= budget:
                 return
             fed, padded = p.fed, p.padded
@@ -229,18 +224,23 @@ class DecodeLoop:
             self.batch.drop(ended)
 
     def _bisect(self, seqs: list[Sequence], exc: Exception, what: str) -> None:
-        """A shared call over newcomers raised: one alone fails (its own error, retried as
-        any); more are prefilled again in two halves, each from its context (what it
-        generated is kept), so the one that raises ends up alone in about log2(n) calls
-        and the others go on."""
+        """A shared call over newcomers raised: more are prefilled again in two halves,
+        each from its context (what it generated is kept), so the one that raises ends up
+        alone in about log2(n) calls and the others go on. One alone fails (its own error,
+        retried as any), unless it ran out of memory beside other sequences: then it
+        waits, leased, with fewer in flight for a while (as after a decode step's)."""
+        if len(seqs) <= 1 and is_out_of_memory(exc) and (self.batch.rows or self.prefilling):
+            self._back_off([], [], paused=seqs)
+            return
         if len(seqs) <= 1:
             self._commit([], failed=[(s, exc) for s in seqs])
             return
         log.warning("%s of %d request(s) failed (%s: %s); trying each half apart", what,
                     len(seqs), type(exc).__name__, str(exc)[:200])
         half = len(seqs) // 2
-        self.prefilling += self.batch.prefills(seqs[:half]) + self.batch.prefills(seqs[half:])
-        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
+        self._start(seqs[:half])
+        self._start(seqs[half:])
+        self.prefilling.sort(key=lambda p: min(rank(s) for s in p.seqs))
 
     def _cut_preempted(self) -> None:  # (see _preempting)
         if self._preempting:
@@ -279,25 +279,30 @@ class DecodeLoop:
             rows, tokens = self._back_off(rows, tokens)
         self._advance(rows, tokens)
 
-    def _back_off(self, rows: list[Sequence], tokens: list[Any]) -> tuple[list[Sequence], list[Any]]:
-        """Out of memory in this step (its halves got through, or a row alone did not):
-        halve the sequences in flight for a while (BatchCap, WorkerOptions.oom_hold_s) and pause the
-        least urgent rows past that, and any row that ran out of memory alone. They wait,
-        leased, to be prefilled again from what they generated (their token of this step
-        was never emitted): nothing is lost. The rows kept and their tokens."""
-        self.cap.shrink(len(rows))
+    def _back_off(self, rows: list[Sequence], tokens: list[Any],
+                  paused: list[Sequence] = ()) -> tuple[list[Sequence], list[Any]]:
+        """Out of memory in this step (its halves got through, or a row alone did not), or
+        for ``paused`` newcomers alone in a prefill or join: halve the sequences in flight
+        for a while (BatchCap, WorkerOptions.oom_hold_s) and pause the least urgent rows
+        past that, any row that ran out of memory alone, and ``paused``. They wait, leased,
+        to be prefilled again from what they generated (a step's token of theirs was never
+        emitted): nothing is lost. The rows kept and their tokens."""
+        flight = len(rows) if rows else len(self._running()) + len(paused)
+        self.cap.shrink(flight)
         metrics.OOM_BACKOFFS.inc()
         keep = self.cap.apply(len(rows))
         alone = {id(s) for s, t in zip(rows, tokens) if isinstance(t, Exception) and is_out_of_memory(t)}
-        ranked = sorted((s for s in rows if id(s) not in alone), key=_rank)
-        paused = {id(s) for s in ranked[keep:]} | alone
-        gone = [s for s in rows if id(s) in paused]
-        self.batch.drop(gone)
-        self.waiting = sorted(self.waiting + gone, key=_rank)
+        ranked = sorted((s for s in rows if id(s) not in alone), key=rank)
+        stopped = {id(s) for s in ranked[keep:]} | alone
+        dropped = [s for s in rows if id(s) in stopped]
+        self.batch.drop(dropped)
+        gone = dropped + list(paused)
+        self.waiting = sorted(self.waiting + gone, key=rank)
         self.preempted += len(gone)
-        log.warning("out of memory in a decode step of %d sequences: %d paused, at most %d in "
-                    "flight for %.0fs", len(rows), len(gone), keep, self.cap.hold_s)
-        kept = [(s, t) for s, t in zip(rows, tokens) if id(s) not in paused]
+        log.warning("out of memory in a %s of %d sequences: %d paused, at most %d in flight for "
+                    "%.0fs", "decode step" if rows else "prefill", flight, len(gone),
+                    self.cap.apply(flight), self.cap.hold_s)
+        kept = [(s, t) for s, t in zip(rows, tokens) if id(s) not in stopped]
         return [s for s, _ in kept], [t for _, t in kept]
 
     def _advance(self, rows: list[Sequence], tokens: list[Any], joined: bool = True) -> None:
@@ -330,15 +335,8 @@ class DecodeLoop:
 
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
-        size = len(self.batch.rows) + len(ended)
-        outcomes = [outputs.outcome(s, self.runner, size) for s in ended]
-        failed = failed or []
-        outcomes += [failure(s.key.request, exc) for s, exc in failed]
-        by_claim: dict[int, list[Outcome]] = {}
-        for s, o in zip([*ended, *(s for s, _ in failed)], outcomes):
-            by_claim.setdefault(s.key.claimed_ms, []).append(o)
-        for claimed_ms, group in by_claim.items():
-            self.writer.submit(Executed(claimed_ms, group))
+        for executed in outputs.by_claim(ended, failed or [], self.runner, len(self.batch.rows) + len(ended)):
+            self.writer.submit(executed)
         self.count(requests=len(ended))
 
     # -- between steps -----------------------------------------------------------------
@@ -385,9 +383,4 @@ class DecodeLoop:
 
 
 def _entry(s: Sequence) -> scheduler.Entry:
-    return scheduler.Entry(s, _rank(s), s.reserved)
-
-
-def _rank(s: Sequence) -> int:
-    """The request's rank in the queue (enqueue ms + class delay ms): lower is more urgent."""
-    return int(s.key.request.rank)
+    return scheduler.Entry(s, rank(s), s.reserved)
