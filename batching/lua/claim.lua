@@ -401,8 +401,11 @@ for n, i in ipairs(take) do
 end
 fair_settle(settled_ids, stale, counts)
 call_chunked('ZREM', K.pending, out_ids)
+local wide = rcall('ZCARD', K.leased) == 0  -- they start again: in their wide encodings
+if wide then widen(true, {K.owner}, {K.leased}) end
 call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
+if wide then widen(false, {K.owner}, {K.leased}) end
 add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
 rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids,

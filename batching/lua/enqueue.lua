@@ -129,7 +129,8 @@ for i = 1, n do
     incoming = incoming + #payload + #id + REQUEST_OVERHEAD
   end
 end
-if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
+local queued = fresh > 0 and rcall('ZCARD', K.pending) or 0
+if fresh > 0 and queued + rcall('ZCARD', K.delayed) + fresh > max_pending then
   return {0, 'full', shards, max_total}
 end
 -- a tenant over its own limit is refused, all or nothing; other tenants are not affected
@@ -186,12 +187,16 @@ if fresh > 0 then
     call_chunked('HDEL', K.attempts, stale)
     call_chunked('HDEL', K.history, stale)
   end
+  -- nothing queued: the per-request keys start again, in their wide encodings
+  local wide = {{K.requests, K.sched}, {K.pending, K.fair}}
+  if queued == 0 then widen(true, wide[1], wide[2]) end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('HSET', K.requests, hargs)
   call_chunked('HSET', K.sched, sargs)
   call_chunked('ZADD', K.fair, fargs)
   for _, pair in pairs(joined) do fair_join(K, pair[1], pair[2]) end
   add_depth(K.depth, counts)
+  if queued == 0 then widen(false, wide[1], wide[2]) end
   rcall('HINCRBY', K.stats, 'enqueued', fresh)
   rcall('RPUSH', K.wake, 1)
   rcall('LTRIM', K.wake, -64, -1)
