@@ -401,7 +401,9 @@ for n, i in ipairs(take) do
 end
 fair_settle(settled_ids, stale, counts)
 call_chunked('ZREM', K.pending, out_ids)
-local wide = rcall('ZCARD', K.leased) == 0  -- they start again: in their wide encodings
+-- none leased: the lease keys start again, in their wide encodings (ZRANGE: the worker's
+-- ACL has no ZCARD)
+local wide = #rcall('ZRANGE', K.leased, 0, 0) == 0
 if wide then widen(true, {K.owner}, {K.leased}) end
 call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
