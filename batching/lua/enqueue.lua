@@ -162,24 +162,39 @@ local function written(priority)
   end
   return w
 end
-local zargs, hargs, sargs, fargs, counts, joined = {}, {}, {}, {}, {}, {}
+-- what one (priority, tenant) writes besides the id, built once per call: the tail of its
+-- sched entry, the head of its fair-share member; and how many it adds
+local by_group = {}
+local function group_of(priority, tenant)
+  local key = priority .. '\t' .. tenant
+  local g = by_group[key]
+  if not g then
+    local w = written(priority)
+    g = {w = w, tenant = tenant, n = 0, sched_tail = w.tail .. ':' .. tenant,
+         member_head = fair_member(w.class, tenant, tonumber(w.rank), '')}
+    by_group[key] = g
+  end
+  return g
+end
+local zargs, hargs, sargs, fargs, counts, m = {}, {}, {}, {}, {}, 0
 for i = 1, n do
   if status[i] == 1 then
     local base = 7 + (i - 1) * GROUP
-    local id, w, tenant = ARGV[base + 1], written(ARGV[base + 2]), ARGV[base + 5]
-    local deadline = tonumber(ARGV[base + 4])
-    local expire = deadline > 0 and fmt_int(now + deadline) or '0'
-    zargs[#zargs + 1] = w.rank
-    zargs[#zargs + 1] = id
-    hargs[#hargs + 1] = id
-    hargs[#hargs + 1] = ARGV[base + 6]
-    sargs[#sargs + 1] = id
-    sargs[#sargs + 1] = ARGV[base + 3] .. ':' .. expire .. w.tail .. ':' .. tenant
-    fargs[#fargs + 1] = 0
-    fargs[#fargs + 1] = fair_member(w.class, tenant, tonumber(w.rank), id)
-    joined[w.class .. '\t' .. tenant] = {w.class, tenant}
-    count_queued(counts, w.class, tenant, 1)
+    local id, g = ARGV[base + 1], group_of(ARGV[base + 2], ARGV[base + 5])
+    local deadline = ARGV[base + 4]
+    local expire = deadline ~= '0' and tonumber(deadline) > 0 and fmt_int(now + tonumber(deadline)) or '0'
+    g.n = g.n + 1
+    zargs[m + 1], zargs[m + 2] = g.w.rank, id
+    hargs[m + 1], hargs[m + 2] = id, ARGV[base + 6]
+    sargs[m + 1], sargs[m + 2] = id, ARGV[base + 3] .. ':' .. expire .. g.sched_tail
+    fargs[m + 1], fargs[m + 2] = '0', g.member_head .. id
+    m = m + 2
   end
+end
+local joined = {}
+for _, g in pairs(by_group) do
+  joined[g.w.class .. '\t' .. g.tenant] = {g.w.class, g.tenant}
+  count_queued(counts, g.w.class, g.tenant, g.n)
 end
 if fresh > 0 then
   if #stale > 0 then
