@@ -71,14 +71,24 @@ end
 -- Bytes a request costs Redis besides its payload: its entries in pending, sched,
 -- requests and depth (about 360 B measured by `python -m bench.memory arithmetic`).
 local REQUEST_OVERHEAD = 400
+-- INFO memory costs more than the rest of a small call: a Redis found without maxmemory
+-- (no mark to pass) is asked again after a second, not at every call; the time is kept in
+-- the settings hash (a maxmemory set at run time applies within that second).
+local UNLIMITED_FOR_MS = 1000
+local UNLIMITED_UNTIL = 'memory_unlimited_until_ms'  -- not a setting: no QueueSettings field
 -- "used/max" when accepting `incoming` more bytes would pass the high-water mark.
-local function over_high_water(incoming)
+local function over_high_water(incoming, now)
   local fraction = setting(K.settings, 'memory_high_water', tonumber(ARGV[6]))
   if not fraction or fraction <= 0 then return nil end
+  if now < (tonumber(rcall('HGET', K.settings, UNLIMITED_UNTIL) or '0') or 0) then return nil end
   local info = rcall('INFO', 'memory')
   local used = tonumber(string.match(info, 'used_memory:(%d+)'))
   local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
-  if max and max > 0 and used + incoming > fraction * max then return used .. '/' .. max end
+  if not max or max == 0 then
+    rcall('HSET', K.settings, UNLIMITED_UNTIL, fmt_int(now + UNLIMITED_FOR_MS))
+  elseif used + incoming > fraction * max then
+    return used .. '/' .. max
+  end
   return nil
 end
 
@@ -141,12 +151,12 @@ for tenant, more in pairs(by_tenant) do
     return {0, 'tenant_full', first_of[tenant], most, shards}
   end
 end
+local now = now_ms()
 if fresh > 0 then
-  local memory = over_high_water(incoming)
+  local memory = over_high_water(incoming, now)
   if memory then return {0, 'memory', 0, memory} end
 end
 
-local now = now_ms()
 local now_s = fmt_int(now)
 -- what one priority writes, formatted once per call: its rank, the tail of its sched
 -- entry (":enqueued_ms:rank:class:client") and its class
