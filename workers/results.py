@@ -107,6 +107,8 @@ class ResultWriter(threading.Thread):
                   "tokens": sum(run.tokens for run in executed.runs),
                   "padded_tokens": sum(run.padded for run in executed.runs),
                   **Counter(status for status, _ in encoded)}
+        # a heartbeat renewing while these commit finds their leases gone: not lost
+        self.leases.committing(o.request.id for o in executed.outcomes)
         committed = self.queue.complete(
             [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
             totals, [o.request.client for o in final])
