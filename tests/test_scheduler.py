@@ -62,8 +62,18 @@ def test_rule_5_a_preempted_row_waits_again_at_its_rank() -> None:
     assert decision.preempt == ["row"] and decision.start == ["urgent"]
 
 
-def test_room_counts_sequences_and_tokens() -> None:
-    assert room([entry("a", 1, 30), entry("b", 2, 25)], BUDGET) == (2, 45)
+def test_room_counts_sequences_and_padded_tokens() -> None:
+    # the cache is left-padded: two rows take twice the wider one's 30 tokens, not 55
+    assert room([entry("a", 1, 30), entry("b", 2, 25)], BUDGET) == (2, 40)
+
+
+def test_admission_counts_the_padded_width_not_the_sum() -> None:
+    # 10 + 10 + 60 = 80 tokens fit a budget of 100 as a sum, but the cache holds three
+    # rows of 60: 180. The long one waits (the short ones do not overtake it)
+    running = [entry("a", 1, 10), entry("b", 2, 10)]
+    assert admit([entry("long", 5, 60), entry("short", 6, 10)], running, [], BUDGET,
+                 busy=True).start == []
+    assert admit([entry("short", 6, 10)], running, [], BUDGET, busy=True).start == ["short"]
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), max_size=8),

@@ -47,6 +47,7 @@ import torch
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
+from batchery.workers.generation import prefix_cache
 from batchery.workers.generation.engine import EngineRunner
 from batchery.workers.generation.engine_loop import EngineLoop
 from batchery.workers.generation.loop import DecodeLoop
@@ -129,7 +130,9 @@ def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], thre
         changes["max_batch_size"] = CPU_SEQUENCES if on_cpu else ACCELERATOR_SEQUENCES
     sequences = changes.get("max_batch_size", options.max_batch_size)
     if "max_batch_tokens" not in given:
-        fits = int(CACHE_MEMORY_SHARE * free_memory(device) / max(1, cache_bytes_per_token(runner)))
+        kv = CACHE_MEMORY_SHARE * free_memory(device) / max(1, cache_bytes_per_token(runner))
+        prefix = options.prefix_cache_tokens  # the prefix cache's KV comes on top of the budget
+        fits = int(kv / (1 + prefix_cache.CACHE_SHARE) if prefix is None else kv - prefix)
         changes["max_batch_tokens"] = max(runner.max_input_tokens, min(sequences * runner.max_input_tokens, fits))
     if "max_wait_ms" not in given:
         changes["max_wait_ms"] = 0
