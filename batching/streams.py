@@ -59,9 +59,16 @@ class StreamWriter:
         self._entries.append((request_id, {"e": END, "finish_reason": finish_reason}, True))
 
     def flush(self) -> None:
-        if not self._entries:
-            return
+        self.write(self.take())
+
+    def take(self) -> list[tuple[str, dict[str, Any], bool]]:
+        """The entries added since the last take, to ``write`` (on another thread)."""
         entries, self._entries = self._entries, []
+        return entries
+
+    def write(self, entries: list[tuple[str, dict[str, Any], bool]]) -> None:
+        if not entries:
+            return
         pipe = self.client.pipeline(transaction=False)
         for request_id, fields, expire in entries:
             key = self.keys_for(request_id).stream(request_id)

@@ -10,13 +10,21 @@ little) or with AsyncClient.submit in this process. Then time to first token, on
 at a time: /v1/completions with stream: true (the first data event with text) against
 AsyncHandle.stream() (the first text event).
 
-``python -m bench.gateway [--quick] [-n N]``
+By default the workers run on cores of their own (the upper half of this process's CPUs)
+and the gateway, Redis and the load generator on the rest: as deployed, the model runs on
+its accelerator and `batchery serve` is a Deployment of its own, so the gateway's CPU is
+not taken from the model. ``--shared-cores`` runs everything on every core, as the first
+measurements did (on a CPU-only machine of two cores the gateway then competes with the
+model it feeds).
+
+``python -m bench.gateway [--quick] [-n N] [--shared-cores]``
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -165,15 +173,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = common.parser(__doc__.splitlines()[0])
     args.add_argument("-n", type=int, help="requests per embeddings row at concurrency 64 "
                       "(default 6,000)")
+    args.add_argument("--shared-cores", action="store_true", help="workers, gateway, Redis "
+                      "and load generator all on every core (default: the workers on cores "
+                      "of their own)")
     args = args.parse_args(argv)
     n = args.n or (1_500 if args.quick else 6_000)
     port = common.free_port()
     procs: list[subprocess.Popen] = []
+    cores = sorted(os.sched_getaffinity(0))
+    model_cores = set() if args.shared_cores or len(cores) < 2 else set(cores[len(cores) // 2:])
+    placement = (f"workers on cores {sorted(model_cores)}, the rest on "
+                 f"{sorted(set(cores) - model_cores)}" if model_cores else "all on every core")
+    if model_cores:  # Redis, the gateway and this process: the other cores
+        os.sched_setaffinity(0, set(cores) - model_cores)
+    threads = len(model_cores) or None
+
+    def worker(queue: str, *flags: str) -> subprocess.Popen:
+        proc = common.batchery_worker(url, queue, *flags, threads=threads)
+        if model_cores:  # before it loads torch: its threads are made on these cores
+            os.sched_setaffinity(proc.pid, model_cores)
+        return proc
+
     with common.private_redis() as url, tempfile.TemporaryDirectory() as folder:
         try:
             model_dir = build_model(Path(folder))
-            procs.append(common.batchery_worker(url, "embed", "--task", "embed", "--model", "minilm"))
-            procs.append(common.batchery_worker(url, "generate", *worker_args(model_dir, common.free_port())))
+            procs.append(worker("embed", "--task", "embed", "--model", "minilm"))
+            procs.append(worker("generate", *worker_args(model_dir, common.free_port())))
             with Client(url, "embed") as embed, Client(url, "generate") as generate:
                 common.wait_until(lambda: embed.queue.stats()["workers"] >= 1
                                   and generate.queue.stats()["workers"] >= 1, 180, "the workers")
@@ -189,9 +214,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = common.table(rows, COLUMNS)
     ttft_text = common.table(ttft, TTFT_COLUMNS)
     print(f"\n## Gateway cost: single-input /v1/embeddings vs AsyncClient.submit, MiniLM, "
-          f"default flags ({common.machine()})\n\n{text}\n\n## Time to first token, one at a "
+          f"default flags ({common.machine()}; {placement})\n\n{text}\n\n## Time to first token, one at a "
           f"time (random GPT-2 ~10M parameters)\n\n{ttft_text}\n\n{summary['text']}\n")
-    common.save("gateway", {"machine": common.machine(), "rows": rows, "ttft": ttft, **summary})
+    common.save("gateway", {"machine": common.machine(), "placement": placement, "rows": rows, "ttft": ttft, **summary})
     return {"rows": rows, "ttft": ttft, "table": text, **summary}
 
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import (cluster_scale, common, contention, fair_share, generate, model, priorities,
-                   queue_cost, redis_floor, start_order)
+from bench import (cluster_scale, common, contention, fair_share, generate, model, prefix,
+                   priorities, queue_cost, redis_floor, start_order)
 
 BENCHMARKS = (("Real model", model), ("Defaults and start order", start_order),
               ("Sharing the cores", contention),
               ("Queue cost", queue_cost), ("Redis time per request", redis_floor),
               ("Past one node", cluster_scale),
-              ("Priorities", priorities), ("Fair share", fair_share), ("Generation", generate))
+              ("Priorities", priorities), ("Fair share", fair_share), ("Generation", generate),
+              ("Shared prefix", prefix))
 
 
 def main() -> None:

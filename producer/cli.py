@@ -15,6 +15,10 @@ from batchery.cli_shared import (FINITE, SECONDS, connect, default_of, json_opti
 from batchery.errors import InvalidRequest, NotOk, RequestNotFound
 from batchery.producer.client import Client
 
+# enqueue --wait/--stream: a minute for each result or piece of text covers a worker's
+# cold start (loading its model), and a request nobody serves still ends the command
+WAIT_TIMEOUT_S = 60.0
+
 
 @click.command("enqueue")
 @click.option("--text", "texts", multiple=True, help="A text input (repeatable).")
@@ -31,7 +35,7 @@ from batchery.producer.client import Client
               "(exit 7 if one is not ok).")
 @click.option("--stream", is_flag=True, help="Generation (one input): print its text as it "
               "is generated, then its result as JSON on stderr.")
-@click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=WAIT_TIMEOUT_S, show_default=True,
               help="With --wait: for each result; with --stream: for each piece of text.")
 @json_option
 @queue_option

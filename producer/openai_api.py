@@ -5,7 +5,7 @@ One owner for the mapping that ``batchery serve`` (online endpoints) and offline
 ``/v1/chat/completions`` becomes the inputs of batchery requests (one per embedding, one
 per choice), and results become the response bodies and stream chunks the ``openai``
 SDK parses. Chat messages go to the worker as they are: its tokenizer's chat template
-renders them (workers/runners/generate.py), so nothing here needs the model.
+renders them (workers/generation/runner.py), so nothing here needs the model.
 """
 
 from __future__ import annotations

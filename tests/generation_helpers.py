@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from batchery import Client
 from batchery.connection import RedisSettings
-from batchery.workers.generating import GenerateWorker
+from batchery.workers.generation.worker import GenerateWorker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.hf import resolve_model
 from tests.conftest import wait_for

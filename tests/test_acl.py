@@ -103,3 +103,15 @@ def test_a_worker_without_the_rights_stops_with_a_clear_error(acl_redis: RedisSe
     assert done.returncode == 1, done.stderr
     assert "Redis refused a command to this user" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_worker_user_may_claim_a_shard_whose_requests_are_past_the_ceiling(
+        acl_redis: RedisServer, queue_name: str) -> None:
+    """A sharded queue's claim passes a rank ceiling; with every request of the shard past
+    it, the script looks whether any is pending at all, with a command the worker holds."""
+    with Client(url(acl_redis, "producer"), queue_name) as client:
+        client.enqueue("later")
+    worker = RequestQueue(redis.Redis(port=acl_redis.port, username="worker",
+                                      password="worker-secret", decode_responses=True), queue_name)
+    reply = worker.claim("w#1", 8, 10_000, 0, 16, ceiling=0)
+    assert not reply.batch and reply.wait_ms == 1  # asked to claim again, nothing leased

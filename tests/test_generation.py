@@ -17,11 +17,11 @@ from batchery import AsyncClient, Client
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
-from batchery.workers.generating import GenerateWorker, generate_defaults
+from batchery.workers.generation.worker import GenerateWorker, generate_defaults
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners import load_runner
 from batchery.workers.runners.base import InputError
-from batchery.workers.runners.sampling import parse_params
+from batchery.workers.generation.sampling import parse_params
 from tests.conftest import run_cli, start_worker, stop_process, wait_for
 from tests.generation_helpers import build_gpt2, generate_worker
 

@@ -5,7 +5,6 @@ caused it while its batch-mates finish as if it had never been there."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -17,9 +16,10 @@ from batchery import Client
 from batchery.batching.queue import RequestQueue
 from batchery.connection import RedisSettings
 from batchery.workers.runners import load_runner
-from batchery.workers.runners.decoding import DecodeBatch
-from batchery.workers.runners.sampling import (Rows, SamplingError, choose, new_generator,
+from batchery.workers.generation.batch import DecodeBatch
+from batchery.workers.generation.sampling import (Rows, SamplingError, choose, new_generator,
                                                 parse_params)
+from tests.conftest import wait_for
 from tests.generation_helpers import build_gpt2, generate_worker
 
 GOOD = [{"prompt": p, "max_new_tokens": n}
@@ -209,3 +209,40 @@ def test_out_of_memory_in_a_step_halves_the_batch_and_loses_nothing(
         assert worker.loop.preempted >= 4 and worker.loop.cap.apply(64) == 4
     assert_untouched(good, expected)
     assert more[0].status == "ok" and more[0].output["tokens"] == 12
+
+
+@pytest.mark.parametrize("where", ["prefill", "join"])
+def test_out_of_memory_for_a_newcomer_beside_running_rows_pauses_it(
+        runner, redis_url, queue_name, client, where) -> None:
+    """A newcomer's prefill (or its join) runs out of memory while two rows decode: it is
+    not failed but waits, leased, with fewer sequences in flight for a while, and runs
+    once there is room; every request finishes whole on its first attempt."""
+    with generate_worker(redis_url, queue_name, runner) as worker:
+        def crowded() -> bool:
+            return len(worker.loop.batch.rows) >= 2
+
+        def oom_prefill(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            if kwargs["input_ids"].shape[1] > 1 and crowded():
+                raise MemoryError("cannot allocate a prefill beside two decoding rows")
+        hook = runner._model.register_forward_pre_hook(oom_prefill, with_kwargs=True) \
+            if where == "prefill" else None
+        try:
+            running = client.enqueue_many([{"input": {"prompt": "go on", "max_new_tokens": 60}}] * 2)
+            loop = wait_for(lambda: getattr(worker, "loop", None) and crowded() and worker.loop, 30,
+                            message="two rows decoding")
+            if where == "join":
+                join = loop.batch.join
+
+                def oom_join(p: Any, tokens: Any) -> None:
+                    if crowded():
+                        raise MemoryError("cannot allocate a join beside two decoding rows")
+                    join(p, tokens)
+                loop.batch.join = oom_join
+            newcomer = client.enqueue({"prompt": "the history of the city", "max_new_tokens": 5})
+            results = [h.result(timeout=60) for h in [*running, newcomer]]
+        finally:
+            if hook is not None:
+                hook.remove()
+        assert [(r.status, r.attempts) for r in results] == [("ok", 1)] * 3
+        assert [r.output["tokens"] for r in results] == [60, 60, 5]
+        assert loop.preempted >= 1 and loop.cap.apply(64) == 1

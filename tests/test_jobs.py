@@ -258,6 +258,26 @@ def test_cancel_running_job_removes_its_queued_requests(
     assert view["pending"] > 0
 
 
+def test_a_cancel_after_the_last_line_was_queued_ends_cancelled_not_finished(
+        redis_url: str, queue_name: str, jobs_queue: str, tmp_path: Path) -> None:
+    """Every line queued and none run (no model worker): the cancel withdraws them all, and
+    the job ends cancelled, though nothing is left for it to wait on."""
+    source = write_lines(tmp_path / "in.jsonl", requests(10))
+    output = tmp_path / "out.jsonl"
+    jobs_worker = start_jobs_worker(redis_url, jobs_queue)
+    try:
+        job = submit(redis_url, jobs_queue, queue_name, source, output)
+        wait_for(lambda: _stats(redis_url, queue_name)["pending"] == 10, 60,
+                 message="every line queued")
+        done = run_cli("job", "cancel", job, redis_url=redis_url)
+        assert done.returncode == 0, done.stderr
+        wait_state(redis_url, job, "cancelled", "finished")
+        assert status(redis_url, job)["state"] == "cancelled"
+    finally:
+        stop_process(jobs_worker)
+    assert not output.exists() or read_jsonl(output) == []
+
+
 def test_cancel_queued_job_never_runs(redis_url: str, queue_name: str, jobs_queue: str,
                                       tmp_path: Path) -> None:
     source = write_lines(tmp_path / "in.jsonl", requests(10))

@@ -11,7 +11,7 @@ import torch
 
 from batchery import Client
 from batchery.workers.runners import load_runner
-from batchery.workers.runners.sampling import (Rows, nucleus_floor, choose, new_generator,
+from batchery.workers.generation.sampling import (Rows, nucleus_floor, choose, new_generator,
                                                 parse_params)
 from tests.generation_helpers import build_gpt2, generate_worker
 

@@ -1,4 +1,4 @@
-"""The generate worker's admission and preemption rules (workers/scheduler.py), one test
+"""The generate worker's admission and preemption rules (workers/generation/scheduler.py), one test
 per rule, over plain data: no torch, no Redis, no model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchery.workers.scheduler import Budget, Entry, admit, room
+from batchery.workers.generation.scheduler import Budget, Entry, admit, room
 
 BUDGET = Budget(sequences=4, tokens=100)
 
@@ -62,8 +62,18 @@ def test_rule_5_a_preempted_row_waits_again_at_its_rank() -> None:
     assert decision.preempt == ["row"] and decision.start == ["urgent"]
 
 
-def test_room_counts_sequences_and_tokens() -> None:
-    assert room([entry("a", 1, 30), entry("b", 2, 25)], BUDGET) == (2, 45)
+def test_room_counts_sequences_and_padded_tokens() -> None:
+    # the cache is left-padded: two rows take twice the wider one's 30 tokens, not 55
+    assert room([entry("a", 1, 30), entry("b", 2, 25)], BUDGET) == (2, 40)
+
+
+def test_admission_counts_the_padded_width_not_the_sum() -> None:
+    # 10 + 10 + 60 = 80 tokens fit a budget of 100 as a sum, but the cache holds three
+    # rows of 60: 180. The long one waits (the short ones do not overtake it)
+    running = [entry("a", 1, 10), entry("b", 2, 10)]
+    assert admit([entry("long", 5, 60), entry("short", 6, 10)], running, [], BUDGET,
+                 busy=True).start == []
+    assert admit([entry("short", 6, 10)], running, [], BUDGET, busy=True).start == ["short"]
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 60)), max_size=8),
@@ -86,5 +96,5 @@ def test_budgets_hold_and_each_sequence_has_one_place(waiting_specs, running_spe
 
 
 def test_the_scheduler_needs_no_torch() -> None:
-    check = "import sys; import batchery.workers.scheduler; assert 'torch' not in sys.modules"
+    check = "import sys; import batchery.workers.generation.scheduler; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0

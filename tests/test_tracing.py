@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from batchery import Client, tracing
 from batchery.batching.request import Request
 from batchery.connection import RedisSettings
-from batchery.workers.generating import GenerateWorker
+from batchery.workers.generation.worker import GenerateWorker
 from batchery.workers.options import WorkerOptions
 from tests.conftest import ROOT, cli_env, run_cli, start_worker, stop_process, wait_for
 from tests.jobs_helpers import requests, submit, write_lines
@@ -197,7 +197,7 @@ def test_off_imports_nothing_and_keeps_the_payload() -> None:
     is the one without tracing."""
     code = ("import sys; sys.modules['opentelemetry'] = None\n"
             "from batchery import tracing\n"
-            "from batchery.batching.messages import Request\n"
+            "from batchery.batching.request import Request\n"
             "r = Request(id='a', input='hi')\n"
             "with tracing.enqueue('q', [r]) as out: assert out == [r]\n"
             "assert tracing.trace is None and tracing.configure() is False\n"

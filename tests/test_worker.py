@@ -15,6 +15,10 @@ from prometheus_client import REGISTRY
 from batchery import Client
 from batchery.connection import RedisSettings
 from batchery.batching import pricing
+from batchery.batching.messages import Result
+from batchery.batching.queue import RequestQueue
+from batchery.batching.request import Request
+from batchery.workers.leases import Leases
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
@@ -249,3 +253,22 @@ def test_a_containers_cpu_limit_caps_the_cores_a_worker_sizes_itself_to(tmp_path
     assert worker_cli._cores() == 1
     limit.write_text("max 100000\n")
     assert worker_cli._cores() == affinity
+
+
+def test_a_renew_racing_a_commit_is_no_lost_lease(rconn: Any, queue_name: str) -> None:
+    """The heartbeat renews what it held when it looked; a commit meanwhile deletes those
+    leases: while the writer is committing them they are not reported lost."""
+    queue = RequestQueue(rconn, queue_name)
+    queue.enqueue([Request(id="a", input=1), Request(id="b", input=2)])
+    claimed = queue.claim("w#1", 8, 8192, 0, 64).batch
+    leases = Leases()
+    leases.add(claimed)
+    snapshot = leases.snapshot()  # the heartbeat looks, then the writer commits
+    leases.committing(["a"])
+    done = [(r.id, r.lease_token, Result(id=r.id, status="ok", attempts=1).to_json()) for r in claimed]
+    assert queue.complete(done, {}, ["", ""]) == [True, True]
+    lost = queue.renew("w", snapshot)
+    assert sorted(lost) == ["a", "b"]  # both gone from Redis
+    assert leases.still_held(lost) == ["b"]  # a is being committed; b is truly lost to us
+    leases.drop(["a", "b"])
+    assert leases.still_held(lost) == [] and len(leases) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from batchery.workers.options import (ACCELERATOR_SEQUENCES, CPU_SEQUENCES, DEFA
 from batchery.workers.runners import TASKS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ENGINES = ("batchery", "vllm")
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
               help="--task generate: prompt tokens prefilled per step while other sequences "
               f"decode (default {default_of(WorkerOptions, 'prefill_chunk_tokens')}; 0: a whole "
               "prompt at once).")
+@click.option("--prefix-cache-tokens", type=int,
+              help="--task generate: tokens of prompt-prefix KV kept for requests that share "
+              "a prefix (a system prompt) to reuse (default: a quarter of --max-batch-tokens; "
+              "0: off).")
 @click.option("--lookahead", default=default_of(WorkerOptions, "lookahead"), type=int,
               help="Candidates a claim picks similar lengths from (default "
               f"{DEFAULT_LOOKAHEAD}, or 4 x max "
@@ -64,15 +70,18 @@ log = logging.getLogger(__name__)
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="Model weights: auto is float16 on CUDA, "
               "float32 elsewhere.")
+@click.option("--engine", type=click.Choice(ENGINES), default="batchery", show_default=True,
+              help="--task generate: batchery's own decode loop, or vLLM's engine under the "
+              "same queue contract (pip install vllm; a GPU it supports).")
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
 @click.option("--allow-download", is_flag=True, help="Let --model fetch from the hub.")
 @queue_option
 @redis_options
 def worker(task: str | None, model: str | None, runner: str | None, device: str,
            max_batch_size: int | None, max_batch_tokens: int | None, max_wait_ms: int | None,
-           prefill_chunk_tokens: int | None, lookahead: int,
+           prefill_chunk_tokens: int | None, prefix_cache_tokens: int | None, lookahead: int,
            metrics_port: int | None, concurrency: int, parallel_batches: int | None,
-           threads: int | None, dtype: str, burst: bool,
+           threads: int | None, dtype: str, engine: str, burst: bool,
            allow_download: bool, queue: str, redis_url: str, cluster: bool) -> None:
     """Claim batches from QUEUE, run them through a model, write results back."""
     settings = RedisSettings.from_url(redis_url, cluster=cluster)
@@ -87,15 +96,23 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
                                ("parallel_batches", parallel_batches),
                                ("max_batch_tokens", max_batch_tokens),
                                ("max_wait_ms", max_wait_ms),
-                               ("prefill_chunk_tokens", prefill_chunk_tokens)) if v is not None}
+                               ("prefill_chunk_tokens", prefill_chunk_tokens),
+                               ("prefix_cache_tokens", prefix_cache_tokens)) if v is not None}
     options = WorkerOptions(queue=queue, lookahead=lookahead, model=runner or f"{task} {model}",
                             **given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we tokenize in one thread
-    from batchery.workers.runners import load_runner
-    model_runner = load_runner(task, model, runner, device, allow_download, dtype)
+    if engine == "vllm":
+        if task != "generate" or runner or not model:
+            raise ConfigError("--engine vllm runs --task generate over a --model (no --runner)")
+        from batchery.workers.generation.engine import load_vllm
+        model_runner = load_vllm(model, dtype, max_batch_size)
+    else:
+        from batchery.workers.runners import load_runner
+        model_runner = load_runner(task, model, runner, device, allow_download, dtype)
     placed = str(getattr(model_runner, "device", ""))  # "" for a --runner: its own choice
-    if task == "generate" and not runner:  # one decode loop; sequences join and leave it
-        from batchery.workers.generating import generate_defaults
+    generating = task == "generate" and not runner or _is_engine(model_runner)
+    if generating:  # one decode loop; sequences join and leave it
+        from batchery.workers.generation.worker import generate_defaults
         options, threads = generate_defaults(model_runner, options, set(given), threads, _cores())
         parallel_batches, max_batch_size = 1, options.max_batch_size
     elif task == "generate":
@@ -118,8 +135,8 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     log.info("%d batch(es) at a time of up to %d requests, %s torch thread(s) each",
              parallel_batches, max_batch_size, threads or "default")
     metrics.serve(metrics_port or 0)
-    if task == "generate" and not runner:  # a decode loop instead of whole batches
-        from batchery.workers.generating import GenerateWorker as Worker
+    if generating:  # a decode loop instead of whole batches
+        from batchery.workers.generation.worker import GenerateWorker as Worker
     else:
         from batchery.workers.loop import Worker  # type: ignore[assignment]
     log.info("redis %s, queue %r, %s", settings.describe(), queue, options.model)
@@ -128,6 +145,13 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     # stalling the batch that happened to trigger it).
     gc.freeze()
     raise SystemExit(Worker(settings, model_runner, options).run(burst=burst))
+
+
+def _is_engine(runner: object) -> bool:
+    """A generation engine's runner (``--engine vllm``, or a --runner factory that returns
+    one): the generate worker runs it. Its module is loaded if it is one."""
+    engine = sys.modules.get("batchery.workers.generation.engine")
+    return engine is not None and isinstance(runner, engine.EngineRunner)
 
 
 def _cores() -> int:

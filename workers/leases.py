@@ -22,6 +22,9 @@ class Leases:
 
     def __init__(self) -> None:
         self._held: dict[str, str] = {}
+        # ids whose results are on their way to Redis: a commit deletes their leases, so a
+        # renew racing it finds them gone; the writer reports any it really lost
+        self._committing: set[str] = set()
         self._lock = threading.Lock()
 
     def add(self, requests: Iterable[Claimed]) -> None:
@@ -33,11 +36,18 @@ class Leases:
         with self._lock:
             for request_id in ids:
                 self._held.pop(request_id, None)
+                self._committing.discard(request_id)
             metrics.INFLIGHT.set(len(self._held))
 
-    def still_held(self, ids: Iterable[str]) -> list[str]:
+    def committing(self, ids: Iterable[str]) -> None:
+        """Their results are being written (until ``drop``)."""
         with self._lock:
-            return [i for i in ids if i in self._held]
+            self._committing.update(i for i in ids if i in self._held)
+
+    def still_held(self, ids: Iterable[str]) -> list[str]:
+        """Of ``ids`` (a renew's lost ones), those held and not being committed."""
+        with self._lock:
+            return [i for i in ids if i in self._held and i not in self._committing]
 
     def snapshot(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -84,7 +94,7 @@ class Heartbeat(threading.Thread):
         settings = self.queue.settings()
         self.interval_s = settings.lease_seconds / 3
         lost = self.leases.still_held(self.queue.renew(self.worker_id, self.leases.snapshot()))
-        if lost:  # not those the writer committed while the renew was on its way
+        if lost:  # not those committed, or being committed, while the renew was on its way
             log.warning("lost the lease on %d request(s) (taken over or cancelled): %s",
                         len(lost), ", ".join(lost[:5]))
         if self.info:

@@ -68,6 +68,15 @@ _BY_QUEUE = {
                             "timed at start (workers/calibrate.py) unless --max-batch-size "
                             "is given", Q, multiprocess_mode="max"),
     "OOM_BACKOFFS": Counter("batchery_oom_backoffs_total", "Batches halved after out of memory", Q),
+    "PREFIX_PROMPT_TOKENS": Counter("batchery_prefix_prompt_tokens_total", "--task generate: "
+                                    "context tokens of the prefills started", Q),
+    "PREFIX_REUSED_TOKENS": Counter("batchery_prefix_reused_tokens_total", "--task generate: "
+                                    "of those, taken from the prefix cache or prefilled once "
+                                    "for newcomers sharing them (the hit rate: this over "
+                                    "batchery_prefix_prompt_tokens_total)", Q),
+    "PREFIX_HIT_RATE": Gauge("batchery_prefix_hit_rate", "--task generate: prefix tokens "
+                             "reused / prompt tokens prefilled since the worker started", Q,
+                             multiprocess_mode="liveall"),
 }
 BATCH_SIZE: Any
 BATCH_TOKENS: Any
@@ -79,6 +88,9 @@ DEAD_LETTERS: Any
 REPRICED: Any
 MAX_BATCH_SIZE: Any
 OOM_BACKOFFS: Any
+PREFIX_PROMPT_TOKENS: Any
+PREFIX_REUSED_TOKENS: Any
+PREFIX_HIT_RATE: Any
 _queue = ""
 
 
@@ -96,6 +108,15 @@ def bind(queue: str) -> None:
 def generate_seconds(phase: str) -> Any:
     """The counter of the decode loop's time in ``phase`` (model, sampling, host)."""
     return GENERATE_SECONDS.labels(_queue, phase)
+
+
+def count_generate_turn(before: dict[str, float], now: dict[str, float], total_s: float) -> None:
+    """Count a decode-loop turn's ``total_s`` by phase: the batch's model and sampling
+    seconds (``now`` less ``before``), the rest host (scheduling, Redis, text)."""
+    for phase in ("model", "sampling"):
+        generate_seconds(phase).inc(now[phase] - before.get(phase, 0.0))
+    busy = sum(now.values()) - sum(before.values())
+    generate_seconds("host").inc(max(0.0, total_s - busy))
 
 
 def redis_error(operation: str) -> Any:

@@ -55,6 +55,9 @@ class WorkerOptions:
     # model cost about one 32-row decode step on a CPU (bench/generate.py), so a long
     # prompt at most doubles the running sequences' time per token while it is prefilled.
     prefill_chunk_tokens: int = 256
+    # --task generate: tokens of prompt-prefix KV kept for reuse (generation/prefix_cache.py;
+    # None: a quarter of max_batch_tokens; 0: no prefix caching).
+    prefix_cache_tokens: int | None = None
     worker_id: str = field(default_factory=new_worker_id)
     # What it runs, as `batchery dashboard` shows it ("embed minilm", "mymodels:build").
     model: str = ""
@@ -70,6 +73,8 @@ class WorkerOptions:
             raise ConfigError(f"--parallel-batches must be 1..64, got {self.parallel_batches}")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError(f"--prefill-chunk-tokens must be 0 or more, got {self.prefill_chunk_tokens}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ConfigError(f"--prefix-cache-tokens must be 0 or more, got {self.prefix_cache_tokens}")
         if self.prefetch < 1:
             raise ConfigError(f"prefetch must be at least 1, got {self.prefetch}")
 

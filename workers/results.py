@@ -29,10 +29,16 @@ class ResultWriter(threading.Thread):
         super().__init__(name="batchery-writer", daemon=True)
         self.queue, self.worker_id, self.leases = queue_, worker_id, leases
         self.on_committed = on_committed  # told which outcomes became the committed result
-        self._backlog: queue.Queue[Executed | None] = queue.Queue(maxsize=BACKLOG)
+        self._backlog: queue.Queue[Executed | Callable[[], None] | None] = queue.Queue(maxsize=BACKLOG)
 
     def submit(self, executed: Executed) -> None:
         self._backlog.put(executed)
+
+    def later(self, write: Callable[[], None]) -> None:
+        """Run ``write`` on this thread, in order with the commits submitted around it
+        (token streams: a stream's text goes before the commit that ends it), best effort:
+        a failure is logged, not retried."""
+        self._backlog.put(write)
 
     def close(self) -> None:
         """Write what is left, then stop."""
@@ -41,6 +47,12 @@ class ResultWriter(threading.Thread):
 
     def run(self) -> None:
         while (executed := self._backlog.get()) is not None:
+            if not isinstance(executed, Executed):
+                try:
+                    executed()
+                except Exception as exc:  # streams are best effort; results are not
+                    log.warning("writing token streams failed: %s", exc)
+                continue
             backoff = Backoff()
             while True:
                 try:
@@ -95,6 +107,8 @@ class ResultWriter(threading.Thread):
                   "tokens": sum(run.tokens for run in executed.runs),
                   "padded_tokens": sum(run.padded for run in executed.runs),
                   **Counter(status for status, _ in encoded)}
+        # a heartbeat renewing while these commit finds their leases gone: not lost
+        self.leases.committing(o.request.id for o in executed.outcomes)
         committed = self.queue.complete(
             [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
             totals, [o.request.client for o in final])

@@ -44,6 +44,26 @@ local function count_existing(keys)
   return found
 end
 
+-- Redis keeps a small hash or sorted set as one flat list (a listpack: up to 512 hash
+-- fields or 128 set members of at most 64 bytes, its defaults) and finds a member by
+-- scanning it. A queue's per-request keys (requests, sched, owner; pending, fair, leased)
+-- hold a few hundred entries while the workers keep up, so each request's reads and
+-- writes there scanned hundreds of entries: about half of redis-server's time per request
+-- (bench/redis_time.py). One value over the flat list's limit turns the key into a hash
+-- table or skip list, which Redis keeps until the key is deleted: written when such a key
+-- starts again (empty), before its first writes, and removed after them, within the same
+-- script (no reader sees it; removed before any write, an empty key would be deleted).
+local WIDE = '\1' .. string.rep('w', 64)  -- 65 bytes: over *-max-listpack-value's 64
+-- widen(true, hashes, zsets) before the writes; widen(false, ...) after them
+local function widen(on, hashes, zsets)
+  for _, key in ipairs(hashes) do
+    if on then rcall('HSET', key, WIDE, WIDE) else rcall('HDEL', key, WIDE) end
+  end
+  for _, key in ipairs(zsets) do
+    if on then rcall('ZADD', key, 0, WIDE) else rcall('ZREM', key, WIDE) end
+  end
+end
+
 -- A queue setting from its hash, else the default the caller passed.
 local function setting(settings_key, name, default)
   local v = rcall('HGET', settings_key, name)

@@ -249,11 +249,21 @@ local function fair_settle(taken, stale, counts)
     members[#members + 1] = e[1]
     touch(e[2], e[3], 0)
   end
+  local by_sched = {}  -- taken requests by sched entry (no id in it: many share one)
   for _, e in ipairs(taken) do
-    local s = parse_sched(e.sched)
-    members[#members + 1] = fair_member(s.class, s.tenant, s.rank, e.id)
-    count_queued(counts, s.class, s.tenant, -1)
-    local tokens = e.served and s.tokens or 0
+    local g = by_sched[e.sched]
+    if not g then
+      local s = parse_sched(e.sched)
+      g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
+      by_sched[e.sched] = g
+    end
+    members[#members + 1] = g.head .. e.id
+    g.n = g.n + 1
+    if e.served then g.served = g.served + 1 end
+  end
+  for _, g in pairs(by_sched) do
+    local s, tokens = g.s, g.served * g.s.tokens
+    count_queued(counts, s.class, s.tenant, -g.n)
     touch(s.class, s.tenant, tokens)
     served[s.tenant] = (served[s.tenant] or 0) + tokens
   end
@@ -336,8 +346,12 @@ end
 if #ids == 0 then
   fair_settle({}, stale, {})
   -- all above the ceiling (another shard's head came first since it was read): ask again
+<<<<<<< HEAD
   if ceiling and rcall('ZCARD', K.pending) > 0 then return {now, 1, 0} end
   if refill_ms then return {now, refill_ms, 0} end  -- all that is pending is over its rate
+=======
+  if ceiling and #rcall('ZRANGE', K.pending, 0, 0) > 0 then return {now, 1, 0} end  -- (no ZCARD: the worker's ACL)
+>>>>>>> main
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
@@ -351,14 +365,27 @@ local scheds = rcall('HMGET', K.sched, unpack(ids))
 -- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
 local length_of, delay_of, head_enq = {}, {}, nil
+-- (an entry holds no id: the requests of one enqueue call mostly share it, so each distinct
+-- entry is matched once)
+local fields_of = {}
+local function sched_fields(raw)
+  local f = fields_of[raw]
+  if not f then
+    local mark, tokens, expire, enq_rank = string.match(raw, '^(~?)(%d+):(%d+):(%d+:[^:]+):')
+    f = {mark, tokens, expire, enq_rank, mark == '~' and string.match(raw, '^~%d+(:.*)$')}
+    fields_of[raw] = f
+  end
+  return f
+end
 local function scan(first)
   for i = first, #ids do
     local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
     if scheds[i] then
-      mark, tokens, expire, enq_rank = string.match(scheds[i], '^(~?)(%d+):(%d+):(%d+:[^:]+):')
+      local f = sched_fields(scheds[i])
+      mark, tokens, expire, enq_rank = f[1], f[2], f[3], f[4]
       if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
         mark, tokens = '', counted[id]
-        scheds[i] = tokens .. string.match(scheds[i], '^~%d+(:.*)$')
+        scheds[i] = tokens .. f[5]
       end
     end
     if not tokens then
@@ -479,8 +506,13 @@ for n, i in ipairs(take) do
 end
 fair_settle(settled_ids, stale, counts)
 call_chunked('ZREM', K.pending, out_ids)
+-- none leased: the lease keys start again, in their wide encodings (ZRANGE: the worker's
+-- ACL has no ZCARD)
+local wide = #rcall('ZRANGE', K.leased, 0, 0) == 0
+if wide then widen(true, {K.owner}, {K.leased}) end
 call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
+if wide then widen(false, {K.owner}, {K.leased}) end
 add_depth(K.depth, counts)
 -- cjson writes an empty table as {}: the reader iterates either shape the same way
 rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids,

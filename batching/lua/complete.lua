@@ -13,6 +13,7 @@
 -- stored already: reported 1 again, and the totals are not added twice.
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
+local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
 local n = (#ARGV - 4) / 4
 if n == 0 then return {} end
 
@@ -34,7 +35,7 @@ for i = 1, n do
   local base = 4 + (i - 1) * 4
   if owners[i] and owners[i] == ARGV[base + 2] then
     local json = ARGV[base + 3]
-    rcall('SET', result_keys[i], json, 'EX', ttl)
+    rcall('SET', result_keys[i], json, 'EX', ttl_s)
     local client = ARGV[base + 4]
     if client ~= '' then
       replies[client] = replies[client] or {}

@@ -71,14 +71,24 @@ end
 -- Bytes a request costs Redis besides its payload: its entries in pending, sched,
 -- requests and depth (about 360 B measured by `python -m bench.memory arithmetic`).
 local REQUEST_OVERHEAD = 400
+-- INFO memory costs more than the rest of a small call: a Redis found without maxmemory
+-- (no mark to pass) is asked again after a second, not at every call; the time is kept in
+-- the settings hash (a maxmemory set at run time applies within that second).
+local UNLIMITED_FOR_MS = 1000
+local UNLIMITED_UNTIL = 'memory_unlimited_until_ms'  -- not a setting: no QueueSettings field
 -- "used/max" when accepting `incoming` more bytes would pass the high-water mark.
-local function over_high_water(incoming)
+local function over_high_water(incoming, now)
   local fraction = setting(K.settings, 'memory_high_water', tonumber(ARGV[6]))
   if not fraction or fraction <= 0 then return nil end
+  if now < (tonumber(rcall('HGET', K.settings, UNLIMITED_UNTIL) or '0') or 0) then return nil end
   local info = rcall('INFO', 'memory')
   local used = tonumber(string.match(info, 'used_memory:(%d+)'))
   local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
-  if max and max > 0 and used + incoming > fraction * max then return used .. '/' .. max end
+  if not max or max == 0 then
+    rcall('HSET', K.settings, UNLIMITED_UNTIL, fmt_int(now + UNLIMITED_FOR_MS))
+  elseif used + incoming > fraction * max then
+    return used .. '/' .. max
+  end
   return nil
 end
 
@@ -129,7 +139,8 @@ for i = 1, n do
     incoming = incoming + #payload + #id + REQUEST_OVERHEAD
   end
 end
-if fresh > 0 and rcall('ZCARD', K.pending) + rcall('ZCARD', K.delayed) + fresh > max_pending then
+local queued = fresh > 0 and rcall('ZCARD', K.pending) or 0
+if fresh > 0 and queued + rcall('ZCARD', K.delayed) + fresh > max_pending then
   return {0, 'full', shards, max_total}
 end
 -- a tenant over its own limit is refused, all or nothing; other tenants are not affected
@@ -140,12 +151,12 @@ for tenant, more in pairs(by_tenant) do
     return {0, 'tenant_full', first_of[tenant], most, shards}
   end
 end
+local now = now_ms()
 if fresh > 0 then
-  local memory = over_high_water(incoming)
+  local memory = over_high_water(incoming, now)
   if memory then return {0, 'memory', 0, memory} end
 end
 
-local now = now_ms()
 local now_s = fmt_int(now)
 -- what one priority writes, formatted once per call: its rank, the tail of its sched
 -- entry (":enqueued_ms:rank:class:client") and its class
@@ -161,24 +172,39 @@ local function written(priority)
   end
   return w
 end
-local zargs, hargs, sargs, fargs, counts, joined = {}, {}, {}, {}, {}, {}
+-- what one (priority, tenant) writes besides the id, built once per call: the tail of its
+-- sched entry, the head of its fair-share member; and how many it adds
+local by_group = {}
+local function group_of(priority, tenant)
+  local key = priority .. '\t' .. tenant
+  local g = by_group[key]
+  if not g then
+    local w = written(priority)
+    g = {w = w, tenant = tenant, n = 0, sched_tail = w.tail .. ':' .. tenant,
+         member_head = fair_member(w.class, tenant, tonumber(w.rank), '')}
+    by_group[key] = g
+  end
+  return g
+end
+local zargs, hargs, sargs, fargs, counts, m = {}, {}, {}, {}, {}, 0
 for i = 1, n do
   if status[i] == 1 then
     local base = 7 + (i - 1) * GROUP
-    local id, w, tenant = ARGV[base + 1], written(ARGV[base + 2]), ARGV[base + 5]
-    local deadline = tonumber(ARGV[base + 4])
-    local expire = deadline > 0 and fmt_int(now + deadline) or '0'
-    zargs[#zargs + 1] = w.rank
-    zargs[#zargs + 1] = id
-    hargs[#hargs + 1] = id
-    hargs[#hargs + 1] = ARGV[base + 6]
-    sargs[#sargs + 1] = id
-    sargs[#sargs + 1] = ARGV[base + 3] .. ':' .. expire .. w.tail .. ':' .. tenant
-    fargs[#fargs + 1] = 0
-    fargs[#fargs + 1] = fair_member(w.class, tenant, tonumber(w.rank), id)
-    joined[w.class .. '\t' .. tenant] = {w.class, tenant}
-    count_queued(counts, w.class, tenant, 1)
+    local id, g = ARGV[base + 1], group_of(ARGV[base + 2], ARGV[base + 5])
+    local deadline = ARGV[base + 4]
+    local expire = deadline ~= '0' and tonumber(deadline) > 0 and fmt_int(now + tonumber(deadline)) or '0'
+    g.n = g.n + 1
+    zargs[m + 1], zargs[m + 2] = g.w.rank, id
+    hargs[m + 1], hargs[m + 2] = id, ARGV[base + 6]
+    sargs[m + 1], sargs[m + 2] = id, ARGV[base + 3] .. ':' .. expire .. g.sched_tail
+    fargs[m + 1], fargs[m + 2] = '0', g.member_head .. id
+    m = m + 2
   end
+end
+local joined = {}
+for _, g in pairs(by_group) do
+  joined[g.w.class .. '\t' .. g.tenant] = {g.w.class, g.tenant}
+  count_queued(counts, g.w.class, g.tenant, g.n)
 end
 if fresh > 0 then
   if #stale > 0 then
@@ -186,12 +212,16 @@ if fresh > 0 then
     call_chunked('HDEL', K.attempts, stale)
     call_chunked('HDEL', K.history, stale)
   end
+  -- nothing queued: the per-request keys start again, in their wide encodings
+  local wide = {{K.requests, K.sched}, {K.pending, K.fair}}
+  if queued == 0 then widen(true, wide[1], wide[2]) end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('HSET', K.requests, hargs)
   call_chunked('HSET', K.sched, sargs)
   call_chunked('ZADD', K.fair, fargs)
   for _, pair in pairs(joined) do fair_join(K, pair[1], pair[2]) end
   add_depth(K.depth, counts)
+  if queued == 0 then widen(false, wide[1], wide[2]) end
   rcall('HINCRBY', K.stats, 'enqueued', fresh)
   rcall('RPUSH', K.wake, 1)
   rcall('LTRIM', K.wake, -64, -1)

@@ -128,7 +128,7 @@ FAULTS: tuple[Fault, ...] = (
           "if size > most or (rates and size * length > max_batch_tokens):",
           "if size > most:",
           ("tests/test_runners.py::test_calibration_keeps_the_smallest_batch_within_five_percent_of_the_best",)),
-    Fault("generation keeps unstarted claims at SIGTERM", "workers/decode_loop.py",
+    Fault("generation keeps unstarted claims at SIGTERM", "workers/generation/loop.py",
           "fresh = [s for s in self.waiting if not s.key.started]", "fresh = []",
           ("tests/test_generation.py::test_stop_hands_back_claimed_requests_not_started",)),
     # -- sharding ------------------------------------------------------------------------

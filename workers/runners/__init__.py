@@ -34,5 +34,5 @@ def load_runner(task: str | None, model: str | None, runner: str | None, device:
     if task == "classify":
         from batchery.workers.runners.classify import ClassifyRunner
         return ClassifyRunner(model_dir, torch_device, torch_dtype)
-    from batchery.workers.runners.generate import GenerateRunner
+    from batchery.workers.generation.runner import GenerateRunner
     return GenerateRunner(model_dir, torch_device, torch_dtype)

@@ -1,6 +1,6 @@
 """Iteration-level batching: sequences join and leave between decode steps.
 
-The running sequences share one left-padded KV cache, written in place (runners/kv_slab.py:
+The running sequences share one left-padded KV cache, written in place (generation/kv_slab.py:
 a step writes one column per row, a newcomer's prefill cache is copied into a free row, a
 row that leaves is replaced by the last one), with an attention mask marking each row's
 real tokens; each row keeps its own position counter, so padding never shifts a position.
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from batchery.workers.runners.kv_slab import Slab
-from batchery.workers.runners.sampling import GenParams, Rows, choose, new_generator
+from batchery.workers.generation.kv_slab import Slab
+from batchery.workers.generation.prefix_cache import BLOCK_TOKENS, PrefixCache
+from batchery.workers.generation.sampling import GenParams, Rows, choose, new_generator
 
 
 @dataclass(eq=False)
@@ -60,26 +61,31 @@ class Sequence:
 @dataclass(eq=False)
 class Prefill:
     """Newcomers being prefilled together, a chunk of columns at a time, in a cache of
-    their own until they join the running rows."""
+    their own until they join the running rows. Each row is its context, left-padded after
+    the first ``shared`` columns: a prefix all rows have (generation/prefix_cache.py), taken
+    from the prefix cache where it is there (``done`` starts past it) and prefilled for one
+    row where it is not, the cache widened to every row once it is in."""
 
     seqs: list[Sequence]
-    ids: torch.Tensor        # [rows, width]: the contexts, left-padded
+    ids: torch.Tensor        # [rows, width]: the contexts, left-padded (after the shared prefix)
     mask: torch.Tensor       # [rows, width]: 1 on real tokens
     cache: DynamicCache
-    done: int = 0            # columns prefilled so far
+    done: int = 0            # columns prefilled (or taken from the prefix cache) so far
     chunks: int = 0          # forward passes it took, for logs and tests
-
-    @property
-    def left(self) -> int:
-        """Tokens still to prefill (columns x rows)."""
-        return (self.ids.shape[1] - self.done) * len(self.seqs)
+    shared: int = 0          # the first columns, the same in every row
+    single: bool = False     # the cache holds one row yet: the shared prefix is being prefilled
+    names: list[list[bytes]] = field(default_factory=list)  # each row's block names, to store
+    fed: int = 0             # real tokens through the model so far,
+    padded: int = 0          # and positions (real and padding)
 
 
 class DecodeBatch:
     """The sequences in flight and their shared cache; one forward pass per step."""
 
-    def __init__(self, model: Any, device: torch.device, pad_id: int) -> None:
+    def __init__(self, model: Any, device: torch.device, pad_id: int, prefix_tokens: int = 0) -> None:
         self.model, self.device, self.pad_id = model, device, pad_id
+        # prompt prefixes' KV kept for reuse, up to ``prefix_tokens`` tokens (0: none)
+        self.prefixes = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
         self.rows: list[Sequence] = []
         self.steps = 0          # decode steps run, for logs and tests
         self.seconds = {"model": 0.0, "sampling": 0.0}  # spent in forward passes, in choosing tokens
@@ -96,41 +102,100 @@ class DecodeBatch:
     @torch.inference_mode()
     def add(self, seqs: list[Sequence]) -> list[Any]:
         """Prefill newcomers at once and stack them under the running rows; their first tokens."""
-        prefill = self.start(seqs)
-        tokens = self.advance(prefill, 0)
-        assert tokens is not None
-        self.join(prefill, tokens)
-        return tokens
+        tokens_of = {}
+        for prefill in self.prefills(seqs):
+            tokens = self.advance(prefill, 0)
+            assert tokens is not None
+            self.join(prefill, tokens)
+            tokens_of.update((id(s), t) for s, t in zip(prefill.seqs, tokens))
+        return [tokens_of[id(s)] for s in seqs]
 
-    def start(self, seqs: list[Sequence]) -> Prefill:
-        """Newcomers to prefill (their contexts left-padded to the longest)."""
+    def prefills(self, seqs: list[Sequence]) -> list[Prefill]:
+        """Newcomers to prefill: one prefill per prefix they share (the prefix cache's
+        plan), or all in one when there is no prefix cache."""
+        if self.prefixes is None:
+            return [self.start(seqs)]
+        names, groups = self.prefixes.plan([s.context for s in seqs])
+        return [self.start([seqs[i] for i in g.rows], g.shared * BLOCK_TOKENS,
+                           [names[i] for i in g.rows], g.cached) for g in groups]
+
+    def start(self, seqs: list[Sequence], shared: int = 0, names: list[list[bytes]] | None = None,
+              cached: int = 0) -> Prefill:
+        """Newcomers to prefill (their contexts left-padded to the longest, after the first
+        ``shared`` tokens, which they all have; the first ``cached`` blocks of those come
+        from the prefix cache)."""
         contexts = [s.context for s in seqs]
-        width = max(len(c) for c in contexts)
-        ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts],
-                            device=self.device)
-        return Prefill(seqs, ids, mask, DynamicCache(config=self.model.config))
+        width = shared + max(len(c) - shared for c in contexts)
+        ids = torch.tensor([c[:shared] + [self.pad_id] * (width - len(c)) + c[shared:]
+                            for c in contexts], device=self.device)
+        mask = torch.tensor([[1] * shared + [0] * (width - len(c)) + [1] * (len(c) - shared)
+                             for c in contexts], device=self.device)
+        p = Prefill(seqs, ids, mask, DynamicCache(config=self.model.config), shared=shared,
+                    single=shared > 0, names=names or [])
+        if cached and self.prefixes is not None:
+            for i, (k, v) in enumerate(self.prefixes.load(p.names[0][:cached])):
+                p.cache.update(k, v, i)
+            p.done = cached * BLOCK_TOKENS
+        if p.single and p.done >= shared:
+            self._widen(p)
+        return p
 
     @torch.inference_mode()
     def advance(self, p: Prefill, max_tokens: int) -> list[Any] | None:
-        """Prefill the next chunk of ``p``: as many columns as keep it within ``max_tokens``
+        """Prefill the next chunks of ``p``: as many columns as keep it within ``max_tokens``
         tokens (at least one; 0: all the rest). The newcomers' first tokens once their
         contexts are all in (or a row's own error), else None."""
         rows, width = p.ids.shape
-        columns = width - p.done if max_tokens <= 0 else max(1, max_tokens // rows)
-        end = min(width, p.done + columns)
-        positions = (p.mask[:, :end].cumsum(dim=-1) - 1).clamp(min=0)[:, p.done:end]
-        started = time.perf_counter()
-        out = self.model(input_ids=p.ids[:, p.done:end], attention_mask=p.mask[:, :end],
-                         position_ids=positions, past_key_values=p.cache, use_cache=True,
-                         logits_to_keep=1)
-        self.seconds["model"] += time.perf_counter() - started
-        p.cache, p.done, p.chunks = out.past_key_values, end, p.chunks + 1
-        if end < width:
-            return None
+        left = max_tokens
+        while True:
+            stage = 1 if p.single else rows  # a shared prefix is prefilled for one row
+            limit = p.shared if p.single else width
+            columns = limit - p.done if max_tokens <= 0 else max(1, left // stage)
+            end = min(limit, p.done + columns)
+            positions = (p.mask[:stage, :end].cumsum(dim=-1) - 1).clamp(min=0)[:, p.done:end]
+            started = time.perf_counter()
+            out = self.model(input_ids=p.ids[:stage, p.done:end], attention_mask=p.mask[:stage, :end],
+                             position_ids=positions, past_key_values=p.cache, use_cache=True,
+                             logits_to_keep=1)
+            self.seconds["model"] += time.perf_counter() - started
+            p.fed += int(p.mask[:stage, p.done:end].sum())
+            p.padded, left = p.padded + stage * (end - p.done), left - stage * (end - p.done)
+            p.cache, p.done, p.chunks = out.past_key_values, end, p.chunks + 1
+            if p.single and end >= p.shared:
+                self._widen(p)
+            if end >= width:
+                break
+            if max_tokens > 0 and left < (1 if p.single else rows):
+                return None
+        self._remember(p)
         for s in p.seqs:
             s.generator = s.generator or new_generator(s.params, self.device)
         return self._choose(out.logits[:, -1, :], p.seqs, self._rows_of(p.seqs))
+
+    def _widen(self, p: Prefill) -> None:
+        """The shared prefix is in (one row): keep its blocks, and give every row its KV."""
+        blocks = p.shared // BLOCK_TOKENS
+        if self.prefixes is not None and p.names:
+            self.prefixes.store(p.names[0][:blocks], self._kv(p), 0,
+                                [b * BLOCK_TOKENS for b in range(blocks)])
+        for layer in self._layers(p.cache):
+            layer.keys = layer.keys.expand(len(p.seqs), -1, -1, -1)
+            layer.values = layer.values.expand(len(p.seqs), -1, -1, -1)
+        p.single = False
+
+    def _remember(self, p: Prefill) -> None:
+        """Keep the full blocks of each row's context past the shared prefix (prefix cache)."""
+        if self.prefixes is None or not p.names:
+            return
+        width, first = p.ids.shape[1], p.shared // BLOCK_TOKENS
+        layers = self._kv(p)
+        for i, (s, names) in enumerate(zip(p.seqs, p.names)):
+            pad = width - len(s.context)  # a block's column: its position, after the padding
+            self.prefixes.store(names[first:], layers, i,
+                                [pad + b * BLOCK_TOKENS for b in range(first, len(names))])
+
+    def _kv(self, p: Prefill) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self._layers(p.cache)]
 
     @torch.inference_mode()
     def join(self, p: Prefill, tokens: list[Any]) -> None:
@@ -217,7 +282,8 @@ class DecodeBatch:
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         p.seqs, p.ids, p.mask = [p.seqs[i] for i in keep], p.ids[index], p.mask[index]
-        for layer in self._layers(p.cache):
+        p.names = [p.names[i] for i in keep] if p.names else []
+        for layer in [] if p.single else self._layers(p.cache):  # (one row: the shared prefix's)
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
 

@@ -1,11 +1,11 @@
 """``--task generate``: causal LM text generation.
 
-The worker runs it with continuous batching (workers/generating.py over
-runners/decoding.py): ``sequence`` and ``new_batch`` are what that loop uses. ``prepare``
+The worker runs it with continuous batching (workers/generation/worker.py over
+generation/batch.py): ``sequence`` and ``new_batch`` are what that loop uses. ``prepare``
 and ``run`` are the static batch (greedy, left padding, the whole batch for its longest
 generation) that other callers and the benchmark's baseline use.
 
-An input is a prompt string or an object (runners/sampling.py lists its fields). A
+An input is a prompt string or an object (generation/sampling.py lists its fields). A
 request costs its prompt plus its new tokens, which is what the budget counts.
 """
 
@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchery.workers.runners.base import InputError, Prepared
-from batchery.workers.runners.decoding import DecodeBatch, Sequence
+from batchery.workers.generation.batch import DecodeBatch, Sequence
 from batchery.workers.runners.hf import HFRunner, count_texts, to_device
-from batchery.workers.runners.sampling import GenParams, parse_params
+from batchery.workers.generation.sampling import GenParams, parse_params
 
 
 class GenerateRunner(HFRunner):
@@ -48,22 +48,14 @@ class GenerateRunner(HFRunner):
         return Sequence(key, params, list(ids))
 
     def prompt(self, params: GenParams) -> str:
-        """The text the model continues: the prompt, or the chat messages rendered by the
-        tokenizer's chat template (a plain "role: content" transcript when it has none)."""
-        if not params.messages:
-            return params.prompt
-        messages = [{"role": r, "content": c} for r, c in params.messages]
-        if self._templated(params):
-            return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True)
-        return "".join(f"{r}: {c}\n" for r, c in params.messages) + "assistant:"
+        return render_prompt(self._tokenizer, params)
 
     def _templated(self, params: GenParams) -> bool:
-        """A chat rendered by the template, which writes its special tokens itself."""
-        return bool(params.messages) and bool(getattr(self._tokenizer, "chat_template", None))
+        return templated(self._tokenizer, params)
 
-    def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id)
+    def new_batch(self, prefix_tokens: int = 0) -> DecodeBatch:
+        """An empty batch, with a prefix cache of ``prefix_tokens`` tokens (0: none)."""
+        return DecodeBatch(self._model, self.device, self._tokenizer.pad_token_id, prefix_tokens)
 
     def text(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -98,7 +90,7 @@ class GenerateRunner(HFRunner):
 
     def count_tokens(self, inputs: list[Any]) -> list[int | None] | None:
         """Prompt (cut to the room its new tokens leave) plus its new tokens."""
-        params = [_params_or_none(v) for v in inputs]
+        params = [params_or_none(v) for v in inputs]
         counts = count_texts(self._tokenizer, [p and self.prompt(p) for p in params],
                              self.max_input_tokens)
         return [None if c is None or p is None else
@@ -121,7 +113,23 @@ class GenerateRunner(HFRunner):
         return results
 
 
-def _params_or_none(value: Any) -> GenParams | None:
+def render_prompt(tokenizer: Any, params: GenParams) -> str:
+    """The text the model continues: the prompt, or the chat messages rendered by the
+    tokenizer's chat template (a plain "role: content" transcript when it has none)."""
+    if not params.messages:
+        return params.prompt
+    messages = [{"role": r, "content": c} for r, c in params.messages]
+    if templated(tokenizer, params):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{r}: {c}\n" for r, c in params.messages) + "assistant:"
+
+
+def templated(tokenizer: Any, params: GenParams) -> bool:
+    """A chat rendered by the template, which writes its special tokens itself."""
+    return bool(params.messages) and bool(getattr(tokenizer, "chat_template", None))
+
+
+def params_or_none(value: Any) -> GenParams | None:
     try:
         return parse_params(value)
     except InputError:  # it fails alone when it runs

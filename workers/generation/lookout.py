@@ -33,17 +33,16 @@ class Lookout:
         self._stop.set()
         self._thread.join(5)
 
-    def watch(self, ids: list[str]) -> None:
-        """The requests whose leases the next reads cover."""
+    def lost(self, held: list[Any]) -> list[tuple[Any, str | None]]:
+        """Of the sequences ``held`` (whose leases the next reads cover), those the latest
+        read (taken once) shows held by another token, or by none (cancelled), with it."""
         with self._lock:
-            self._ids = ids
-
-    def owners(self) -> dict[str, str | None] | None:
-        """The latest lease read (request id -> lease token, None: no lease), once; None
-        when there is no new one."""
-        with self._lock:
+            self._ids = [s.key.request.id for s in held]
             owners, self._owners = self._owners, None
-        return owners
+        if owners is None:
+            return []
+        read = [(s, owners[s.key.request.id]) for s in held if s.key.request.id in owners]
+        return [(s, owner) for s, owner in read if owner != s.key.request.lease_token]
 
     def _run(self) -> None:
         leases_read = 0.0

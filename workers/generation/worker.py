@@ -9,6 +9,8 @@ a realtime arrival is prefilled and joins at the next step. A long prompt is pre
 chunk at a time (``prefill_chunk_tokens`` per step), between the running sequences'
 decode steps, unless it is more urgent than every decoding row: then it is prefilled
 whole (a decode step between its chunks would delay its first token by a step each).
+Requests sharing a prompt prefix reuse its KV from the prefix cache (generation/prefix_cache.py;
+``--prefix-cache-tokens``), and newcomers claimed together prefill a shared prefix once.
 When the worker is full and the queue's head is more urgent than a running
 sequence, the least urgent running ones are preempted: their cache is freed (after the
 newcomer's first token: the cut copies the cache) and they wait, still leased to this worker, to be prefilled again from their prompt and the
@@ -18,10 +20,10 @@ max_new_tokens), is cancelled or passes its deadline leaves at once; its result 
 committed by the ResultWriter while the batch decodes on.
 
 The decoding is batchery's own loop on transformers' DynamicCache, not transformers'
-ContinuousBatchingManager: runners/decoding.py says why.
+ContinuousBatchingManager: generation/batch.py says why.
 
 Leases: the heartbeat renews them while sequences run; a thread of the loop's own
-(workers/lookout.py) reads every 50 ms who holds them, and the queue's head every 20 ms,
+(workers/generation/lookout.py) reads every 50 ms who holds them, and the queue's head every 20 ms,
 off the step's path; between steps the loop stops what it no longer holds, so a
 cancelled request stops within a step or two and frees its room. A claimed request with no room yet (the
 claim always takes the head, whatever its size) waits in ``waiting`` under its lease.
@@ -45,7 +47,10 @@ import torch
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
 from batchery.workers.claiming import Claimer
-from batchery.workers.decode_loop import DecodeLoop
+from batchery.workers.generation import prefix_cache
+from batchery.workers.generation.engine import EngineRunner
+from batchery.workers.generation.engine_loop import EngineLoop
+from batchery.workers.generation.loop import DecodeLoop
 from batchery.workers.execution import BatchCap, Outcome
 from batchery.workers.loop import Worker
 from batchery.workers.options import ACCELERATOR_SEQUENCES, CPU_SEQUENCES, WorkerOptions
@@ -62,12 +67,16 @@ class GenerateWorker(Worker):
     thread running a decode loop instead of whole batches."""
 
     claims_ahead = False  # the decode loop claims between its steps
-    loop: DecodeLoop
+    loop: DecodeLoop | EngineLoop
 
     def info(self) -> dict[str, Any]:
-        """The batch worker's report, and the sequences preempted so far."""
+        """The batch worker's report, the sequences preempted so far, and the prefix
+        cache's hit rate (prompt tokens reused / prompt tokens prefilled)."""
         loop = getattr(self, "loop", None)
-        return {**super().info(), "preempted": loop.preempted if loop else 0}
+        prefixes = loop.batch.prefixes if loop else None
+        return {**super().info(), "preempted": loop.preempted if loop else 0,
+                "prefix_hit_rate": round(prefixes.hit_rate, 4) if prefixes else 0,
+                "prefix_reused_tokens": prefixes.reused_tokens if prefixes else 0}
 
     def _on_committed(self, queue_: ShardedQueue) -> Callable[[list[Outcome]], None]:
         ends = StreamWriter(queue_.client, queue_.keys_for)  # the writer thread's own
@@ -79,6 +88,11 @@ class GenerateWorker(Worker):
         log.info("worker %s generating from queue %r: up to %d sequences, %d tokens of cache, "
                  "prefill chunks of %s tokens", self.id, queue_.name, o.max_batch_size,
                  o.max_batch_tokens, o.prefill_chunk_tokens or "all the")
+        if isinstance(self.runner, EngineRunner):  # --engine vllm: the engine steps
+            self.loop = EngineLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count)
+            self.loop.run(self.stop, burst)
+            self.batches_run = self.loop.steps
+            return
         self.loop = DecodeLoop(queue_, self.runner, claimer, claimer.leases, writer, o, self.count, cap)
         self.loop.run(self.stop, burst)
         self.batches_run = self.loop.batch.steps
@@ -101,14 +115,24 @@ def generate_defaults(runner: Any, options: WorkerOptions, given: set[str], thre
     takes what is there: waiting would stall the running sequences), a short lookahead,
     and on a CPU one
     core left to the threads that claim, stream and commit around the model."""
+    changes: dict[str, Any] = {}
+    if isinstance(runner, EngineRunner):  # its memory is the engine's: the budget only
+        sequences = options.max_batch_size if "max_batch_size" in given else ACCELERATOR_SEQUENCES
+        changes.update(max_batch_size=sequences,  # bounds what is claimed into it
+                       max_batch_tokens=options.max_batch_tokens if "max_batch_tokens" in given
+                       else sequences * runner.max_input_tokens)
+        changes.update(max_wait_ms=options.max_wait_ms if "max_wait_ms" in given else 0,
+                       lookahead=options.lookahead or 4 * sequences)
+        return replace(options, **changes), threads
     device = torch.device(getattr(runner, "device", "cpu"))
     on_cpu = device.type == "cpu"
-    changes: dict[str, Any] = {}
     if "max_batch_size" not in given:
         changes["max_batch_size"] = CPU_SEQUENCES if on_cpu else ACCELERATOR_SEQUENCES
     sequences = changes.get("max_batch_size", options.max_batch_size)
     if "max_batch_tokens" not in given:
-        fits = int(CACHE_MEMORY_SHARE * free_memory(device) / max(1, cache_bytes_per_token(runner)))
+        kv = CACHE_MEMORY_SHARE * free_memory(device) / max(1, cache_bytes_per_token(runner))
+        prefix = options.prefix_cache_tokens  # the prefix cache's KV comes on top of the budget
+        fits = int(kv / (1 + prefix_cache.CACHE_SHARE) if prefix is None else kv - prefix)
         changes["max_batch_tokens"] = max(runner.max_input_tokens, min(sequences * runner.max_input_tokens, fits))
     if "max_wait_ms" not in given:
         changes["max_wait_ms"] = 0

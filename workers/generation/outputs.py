@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from batchery.workers.execution import Outcome
-from batchery.workers.runners.decoding import Sequence
+from batchery.workers.execution import Executed, Outcome, failure
+from batchery.workers.generation.batch import Sequence
 
 DEADLINE_ERROR = {"type": "DeadlineExceeded",
                   "message": "the deadline passed while generating; output holds the text so far"}
@@ -23,6 +23,24 @@ def outcome(s: Sequence, runner: Any, batch_size: int) -> Outcome:
     expired = s.finish_reason == "deadline"
     return Outcome(s.key.request, output=output, expired=expired, batch_size=batch_size,
                    run_ms=run_ms, error=dict(DEADLINE_ERROR) if expired else None)
+
+
+def by_claim(ended: list[Sequence], failed: list[tuple[Sequence, Exception]], runner: Any,
+             batch_size: int) -> list[Executed]:
+    """The results of sequences that ended and of those that failed (their own error,
+    retried as any), one Executed per claim they came in (a commit each)."""
+    done = [(s, outcome(s, runner, batch_size)) for s in ended]
+    done += [(s, failure(s.key.request, exc)) for s, exc in failed]
+    claims: dict[int, list[Outcome]] = {}
+    for s, o in done:
+        claims.setdefault(s.key.claimed_ms, []).append(o)
+    return [Executed(claimed_ms, group) for claimed_ms, group in claims.items()]
+
+
+def cancelled(s: Sequence) -> dict[str, Any]:
+    """What a cancelled sequence's result holds: the text it had generated."""
+    return {"text": s.text, "tokens": len(s.generated), "prompt_tokens": len(s.prompt_ids),
+            "finish_reason": "cancelled"}
 
 
 def logprobs(s: Sequence, runner: Any) -> list[dict[str, Any]]:

@@ -1,38 +1,28 @@
 """The generate worker's model thread: one decode step at a time, claiming from Redis
-into the room freed between steps (see workers/generating.py for the whole design)."""
+into the room freed between steps (see workers/generation/worker.py for the whole design)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
 from batchery.batching.streams import StreamWriter
-from batchery.workers import decode_output, metrics, scheduler, tracing
+from batchery.connection import Backoff, retrying
+from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
-from batchery.workers.execution import BatchCap, Executed, Outcome, failure, is_out_of_memory
+from batchery.workers.execution import BatchCap, Executed, failure, is_out_of_memory
+from batchery.workers.generation import outputs, prefix_cache, scheduler, text
+from batchery.workers.generation.batch import Prefill, Sequence
+from batchery.workers.generation.lookout import Lookout
+from batchery.workers.generation.slot import Slot, rank
 from batchery.workers.leases import Leases, report_redis_error
-from batchery.workers.lookout import Lookout
-from batchery.connection import retrying
 from batchery.workers.results import ResultWriter
-from batchery.workers.runners.decoding import Prefill, Sequence
 
 log = logging.getLogger(__name__)
-RETRY_CAP_S = 5.0
-
-
-@dataclass(eq=False)
-class Slot:
-    """A claimed request on this worker: the claim and the local clock's view of it."""
-
-    request: Claimed
-    claimed_ms: int        # Redis clock at claim
-    deadline: float | None  # time.monotonic() past which it stops (finish_reason deadline)
-    started: float = 0.0   # time.perf_counter() at prefill
 
 
 class DecodeLoop:
@@ -41,7 +31,9 @@ class DecodeLoop:
                  count: Callable[..., None] = lambda **_: None, cap: BatchCap | None = None) -> None:
         self.queue, self.runner, self.claimer = queue_, runner, claimer
         self.leases, self.writer, self.options, self.count = leases, writer, options, count
-        self.batch = runner.new_batch()
+        prefix = options.prefix_cache_tokens  # None: a share of the KV budget
+        self.batch = runner.new_batch(int(prefix_cache.CACHE_SHARE * options.max_batch_tokens)
+                                      if prefix is None else prefix)
         self.cap = cap or BatchCap(options.oom_hold_s)  # sequences in flight, halved after OOM
         self.prefilling: list[Prefill] = []  # admitted, context being prefilled; most urgent first
         self.waiting: list[Sequence] = []    # claimed or preempted, no room yet; most urgent first
@@ -50,18 +42,18 @@ class DecodeLoop:
         # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
         self._preempting: list[Sequence] = []
         self.streams = StreamWriter(queue_.client, queue_.keys_for)
-        self._claim_backoff, self._claim_after = 0.1, 0.0
+        self._claim_backoff, self._claim_after = Backoff(), 0.0
         self._spent: dict[str, float] = {}  # the batch's seconds by phase, as last counted
         self.lookout = Lookout(queue_)  # the head's rank and the leases, read off the step's path
 
     def run(self, stop: Any, burst: bool) -> None:
         self.lookout.start()
         try:
-            self._run(stop, burst)
+            self._turns(stop, burst)
         finally:
             self.lookout.stop()
 
-    def _run(self, stop: Any, burst: bool) -> None:
+    def _turns(self, stop: Any, burst: bool) -> None:
         handed_back = False
         while True:
             started = time.perf_counter()
@@ -80,18 +72,9 @@ class DecodeLoop:
                 self._step()
             self._check_leases()
             self._flush_streams()
-            self._time_phases(started)
-
-    def _time_phases(self, started: float) -> None:
-        """Count this turn's time by phase: the batch's model and sampling time, the rest
-        host (the step's critical path: scheduling, Redis, text)."""
-        spent = dict(self.batch.seconds)
-        total = time.perf_counter() - started
-        for phase in ("model", "sampling"):
-            metrics.generate_seconds(phase).inc(spent[phase] - self._spent.get(phase, 0.0))
-        busy = sum(spent.values()) - sum(self._spent.values())
-        metrics.generate_seconds("host").inc(max(0.0, total - busy))
-        self._spent = spent
+            spent = dict(self.batch.seconds)  # this turn's time by phase
+            metrics.count_generate_turn(self._spent, spent, time.perf_counter() - started)
+            self._spent = spent
 
     # -- admission -------------------------------------------------------------------
     def _running(self) -> list[Sequence]:
@@ -129,13 +112,13 @@ class DecodeLoop:
         try:
             claimed, reply = self.claimer.claim_requests(
                 *size, self.options.max_wait_ms if idle else 0)
-            self._claim_backoff = 0.1
+            self._claim_backoff.reset()
         except Exception as exc:  # Redis away: keep decoding, claim again later
-            report_redis_error("claim", exc, self._claim_backoff)
-            self._claim_after = time.monotonic() + self._claim_backoff
-            self._claim_backoff = min(2 * self._claim_backoff, RETRY_CAP_S)
+            wait_s = self._claim_backoff.next()
+            report_redis_error("claim", exc, wait_s)
+            self._claim_after = time.monotonic() + wait_s
             if idle:
-                time.sleep(self._claim_backoff)
+                time.sleep(wait_s)
             return True
         if claimed:
             self.count(claimed_ms=reply.now_ms)
@@ -153,14 +136,12 @@ class DecodeLoop:
         if not self.batch.rows:
             return False
         head = self.lookout.head
-        least = max(_rank(s) for s in self.batch.rows)
-        return head is not None and head < least and (not self.waiting or head < _rank(self.waiting[0]))
+        least = max(rank(s) for s in self.batch.rows)
+        return head is not None and head < least and (not self.waiting or head < rank(self.waiting[0]))
 
     def _sequence(self, request: Claimed, now_ms: int) -> Sequence | None:
         """The request as a sequence; a request that cannot run fails here, alone."""
-        deadline = (time.monotonic() + (request.expire_ms - now_ms) / 1000
-                    if request.expire_ms else None)
-        slot = Slot(request, now_ms, deadline)
+        slot = Slot.claimed(request, now_ms)
         try:
             seq: Sequence = self.runner.sequence(slot, request.input)
         except Exception as exc:  # InputError: no retry; anything else: the runner's bug
@@ -172,7 +153,7 @@ class DecodeLoop:
 
     def _admit(self) -> None:
         """Start prefilling what waits and preempt for it, as the scheduler decides
-        (workers/scheduler.py: most urgent first, while it fits, pausing less urgent
+        (workers/generation/scheduler.py: most urgent first, while it fits, pausing less urgent
         decoding rows for a more urgent newcomer); the rest waits for room."""
         decision = scheduler.admit([_entry(s) for s in self.waiting],
                                    [_entry(s) for s in self._running()],
@@ -185,15 +166,22 @@ class DecodeLoop:
             log.info("preempted %d sequence(s) for more urgent request(s)", len(decision.preempt))
         started = {id(s) for s in decision.start}
         self.waiting = sorted((s for s in self.waiting + decision.preempt if id(s) not in started),
-                              key=_rank)
+                              key=rank)
         # each priority class in its own prefill, most urgent first: a realtime newcomer's
         # first token does not wait for a long batch-class prompt claimed with it
         for _, group in itertools.groupby(decision.start, key=lambda s: s.key.request.priority):
             seqs = list(group)
             for s in seqs:
                 s.key.started = s.key.started or time.perf_counter()
-            self.prefilling.append(self.batch.start(seqs))
-        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
+            self._start(seqs)
+        self.prefilling.sort(key=lambda p: min(rank(s) for s in p.seqs))
+
+    def _start(self, seqs: list[Sequence]) -> None:
+        """Their prefills, one per shared prefix; a failure is narrowed down (_bisect)."""
+        try:
+            self.prefilling += self.batch.prefills(seqs)
+        except Exception as exc:
+            self._bisect(seqs, exc, "admission")
 
     def _prefill(self) -> None:
         """Prefill up to ``prefill_chunk_tokens`` this step, most urgent first (all of it
@@ -202,13 +190,13 @@ class DecodeLoop:
         every decoding row is not chunked: the rows it would stall rank below it (as for
         preemption), and a decode step between its chunks would delay its first token."""
         budget = self.options.prefill_chunk_tokens if self.batch.rows else 0
-        least = max((_rank(s) for s in self._running_rows()), default=None)
+        least = max((rank(s) for s in self._running_rows()), default=None)
         spent = 0
         for p in list(self.prefilling):
-            whole = not budget or least is None or max(_rank(s) for s in p.seqs) < least
+            whole = not budget or least is None or max(rank(s) for s in p.seqs) < least
             if not whole and spent >= budget:
                 return
-            before = p.done
+            fed, padded = p.fed, p.padded
             try:
                 with tracing.prefill([s.key.request for s in p.seqs]):  # a span per chunk
                     tokens = self.batch.advance(p, 0 if whole else budget - spent)
@@ -216,9 +204,8 @@ class DecodeLoop:
                 self.prefilling.remove(p)
                 self._bisect(p.seqs, exc, "prefill")
                 continue
-            chunk = p.mask[:, before:p.done]
-            spent += chunk.numel()
-            self.count(runs=1, tokens=int(chunk.sum()), padded=chunk.numel())
+            spent += p.padded - padded
+            self.count(runs=1, tokens=p.fed - fed, padded=p.padded - padded)
             if tokens is not None:
                 self.prefilling.remove(p)
                 self._joined(p, tokens)
@@ -237,20 +224,25 @@ class DecodeLoop:
             self.batch.drop(ended)
 
     def _bisect(self, seqs: list[Sequence], exc: Exception, what: str) -> None:
-        """A shared call over newcomers raised: one alone fails (its own error, retried as
-        any); more are prefilled again in two halves, each from its context (what it
-        generated is kept), so the one that raises ends up alone in about log2(n) calls
-        and the others go on."""
+        """A shared call over newcomers raised: more are prefilled again in two halves,
+        each from its context (what it generated is kept), so the one that raises ends up
+        alone in about log2(n) calls and the others go on. One alone fails (its own error,
+        retried as any), unless it ran out of memory beside other sequences: then it
+        waits, leased, with fewer in flight for a while (as after a decode step's)."""
+        if len(seqs) <= 1 and is_out_of_memory(exc) and (self.batch.rows or self.prefilling):
+            self._back_off([], [], paused=seqs)
+            return
         if len(seqs) <= 1:
             self._commit([], failed=[(s, exc) for s in seqs])
             return
         log.warning("%s of %d request(s) failed (%s: %s); trying each half apart", what,
                     len(seqs), type(exc).__name__, str(exc)[:200])
         half = len(seqs) // 2
-        self.prefilling += [self.batch.start(seqs[:half]), self.batch.start(seqs[half:])]
-        self.prefilling.sort(key=lambda p: min(_rank(s) for s in p.seqs))
+        self._start(seqs[:half])
+        self._start(seqs[half:])
+        self.prefilling.sort(key=lambda p: min(rank(s) for s in p.seqs))
 
-    def _cut_preempted(self) -> None:
+    def _cut_preempted(self) -> None:  # (see _preempting)
         if self._preempting:
             self.batch.drop(self._preempting)
             self._preempting = []
@@ -287,25 +279,30 @@ class DecodeLoop:
             rows, tokens = self._back_off(rows, tokens)
         self._advance(rows, tokens)
 
-    def _back_off(self, rows: list[Sequence], tokens: list[Any]) -> tuple[list[Sequence], list[Any]]:
-        """Out of memory in this step (its halves got through, or a row alone did not):
-        halve the sequences in flight for a while (BatchCap, WorkerOptions.oom_hold_s) and pause the
-        least urgent rows past that, and any row that ran out of memory alone. They wait,
-        leased, to be prefilled again from what they generated (their token of this step
-        was never emitted): nothing is lost. The rows kept and their tokens."""
-        self.cap.shrink(len(rows))
+    def _back_off(self, rows: list[Sequence], tokens: list[Any],
+                  paused: list[Sequence] = ()) -> tuple[list[Sequence], list[Any]]:
+        """Out of memory in this step (its halves got through, or a row alone did not), or
+        for ``paused`` newcomers alone in a prefill or join: halve the sequences in flight
+        for a while (BatchCap, WorkerOptions.oom_hold_s) and pause the least urgent rows
+        past that, any row that ran out of memory alone, and ``paused``. They wait, leased,
+        to be prefilled again from what they generated (a step's token of theirs was never
+        emitted): nothing is lost. The rows kept and their tokens."""
+        flight = len(rows) if rows else len(self._running()) + len(paused)
+        self.cap.shrink(flight)
         metrics.OOM_BACKOFFS.inc()
         keep = self.cap.apply(len(rows))
         alone = {id(s) for s, t in zip(rows, tokens) if isinstance(t, Exception) and is_out_of_memory(t)}
-        ranked = sorted((s for s in rows if id(s) not in alone), key=_rank)
-        paused = {id(s) for s in ranked[keep:]} | alone
-        gone = [s for s in rows if id(s) in paused]
-        self.batch.drop(gone)
-        self.waiting = sorted(self.waiting + gone, key=_rank)
+        ranked = sorted((s for s in rows if id(s) not in alone), key=rank)
+        stopped = {id(s) for s in ranked[keep:]} | alone
+        dropped = [s for s in rows if id(s) in stopped]
+        self.batch.drop(dropped)
+        gone = dropped + list(paused)
+        self.waiting = sorted(self.waiting + gone, key=rank)
         self.preempted += len(gone)
-        log.warning("out of memory in a decode step of %d sequences: %d paused, at most %d in "
-                    "flight for %.0fs", len(rows), len(gone), keep, self.cap.hold_s)
-        kept = [(s, t) for s, t in zip(rows, tokens) if id(s) not in paused]
+        log.warning("out of memory in a %s of %d sequences: %d paused, at most %d in flight for "
+                    "%.0fs", "decode step" if rows else "prefill", flight, len(gone),
+                    self.cap.apply(flight), self.cap.hold_s)
+        kept = [(s, t) for s, t in zip(rows, tokens) if id(s) not in stopped]
         return [s for s, _ in kept], [t for _, t in kept]
 
     def _advance(self, rows: list[Sequence], tokens: list[Any], joined: bool = True) -> None:
@@ -318,10 +315,10 @@ class DecodeLoop:
                 s.finish_reason = "error"
                 failed.append((s, token))
                 continue
-            self._append(s, token)
+            text.append(s, token, self.runner)
             if s.finish_reason is None and s.key.deadline is not None and now >= s.key.deadline:
                 s.finish_reason = "deadline"
-                s.text = s.text if s.params.stop else self.runner.text(s.generated)
+                s.text = text.so_far(s, self.runner)
             if s.params.stream:
                 self._stream(s)
             if s.finish_reason:
@@ -331,68 +328,22 @@ class DecodeLoop:
                 self.batch.drop(ended + [s for s, _ in failed])
             self._commit(ended, failed)
 
-    def _append(self, s: Sequence, token: int) -> None:
-        """Add the token; a row that streams or has stop strings decodes only what the
-        token adds (runner.text_delta) and looks for its stops in the new tail alone."""
-        p = s.params
-        if token in self.runner.eos_ids:
-            s.finish_reason = "stop"
-        else:
-            s.generated.append(token)
-        if p.stop or p.stream:
-            before = len(s.text)
-            last = s.finish_reason is not None or len(s.generated) >= p.max_new_tokens
-            s.text += self.runner.text_delta(s, final=last)
-            if p.stop and len(s.text) > before:
-                tail = max(0, before - max(len(stop) for stop in p.stop) + 1)
-                cut = min((i for i in (s.text.find(stop, tail) for stop in p.stop) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    s.text, s.finish_reason = s.text[:cut], "stop"
-        if s.finish_reason is None and len(s.generated) >= p.max_new_tokens:
-            s.finish_reason = "length"
-        if s.finish_reason and not (p.stop or p.stream):
-            s.text = self.runner.text(s.generated)
-
     def _stream(self, s: Sequence) -> None:
-        """Write the new text, less a trailing half character (a byte-level token may
-        end inside one) and what could begin a stop string; all of it at the end. If
-        decoding ever rewrote text already sent, the rest waits for the result."""
-        if not s.text.startswith(s.sent):
-            return
-        shown = len(s.text)
-        if not s.finish_reason:
-            shown = min(len(s.text.rstrip("\ufffd")), shown - s.params.holdback)
-        # the first token always gets an entry, its text possibly empty (a special token):
-        # the reader learns that generation started
-        if shown > len(s.sent) or len(s.generated) == 1 and not s.sent:
-            self.streams.text(s.key.request.id, s.text[len(s.sent):shown], len(s.generated))
-            s.sent = s.text[:shown]
+        delta = text.stream_delta(s)
+        if delta is not None:
+            self.streams.text(s.key.request.id, delta, len(s.generated))
 
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
         self._flush_streams()  # a stream's text goes before its end, which follows the commit
-        size = len(self.batch.rows) + len(ended)
-        outcomes = [decode_output.outcome(s, self.runner, size) for s in ended]
-        failed = failed or []
-        outcomes += [failure(s.key.request, exc) for s, exc in failed]
-        by_claim: dict[int, list[Outcome]] = {}
-        for s, o in zip([*ended, *(s for s, _ in failed)], outcomes):
-            by_claim.setdefault(s.key.claimed_ms, []).append(o)
-        for claimed_ms, group in by_claim.items():
-            self.writer.submit(Executed(claimed_ms, group))
+        for executed in outputs.by_claim(ended, failed or [], self.runner, len(self.batch.rows) + len(ended)):
+            self.writer.submit(executed)
         self.count(requests=len(ended))
 
     # -- between steps -----------------------------------------------------------------
     def _check_leases(self) -> None:
         """Stop sequences whose lease is gone: cancelled (their stream ends here), or taken
         over by another worker after a stall (that worker's run restarts the stream)."""
-        held = self._running() + self.waiting
-        self.lookout.watch([s.key.request.id for s in held])
-        owners = self.lookout.owners()
-        if owners is None:
-            return
-        read = [(s, owners[s.key.request.id]) for s in held if s.key.request.id in owners]
-        lost = [(s, owner) for s, owner in read if owner != s.key.request.lease_token]
+        lost = self.lookout.lost(self._running() + self.waiting)
         if not lost:
             return
         gone = [s for s, _ in lost]
@@ -416,25 +367,20 @@ class DecodeLoop:
     def _attach(self, s: Sequence) -> None:
         """Give a cancelled sequence's result the text generated so far, before its stream
         ends (the reader reads the result at the end)."""
-        s.text = s.text if s.params.stop or s.params.stream else self.runner.text(s.generated)
-        output = {"text": s.text, "tokens": len(s.generated),
-                      "prompt_tokens": len(s.prompt_ids), "finish_reason": "cancelled"}
+        s.text = text.so_far(s, self.runner)
+        output = outputs.cancelled(s)
         try:
             self.queue.attach_output(s.key.request.id, s.key.request.lease_token, output)
         except Exception as exc:  # the result stays the cancel's, without output
             log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
 
     def _flush_streams(self) -> None:
-        try:
-            self.streams.flush()
-        except Exception as exc:  # streams are best effort; results are not
-            log.warning("writing token streams failed: %s", exc)
+        """Hand the stream entries added so far to the writer's thread: written off the
+        step's path, in order with the commits (a stream's text before its end)."""
+        entries = self.streams.take()
+        if entries:
+            self.writer.later(lambda: self.streams.write(entries))
 
 
 def _entry(s: Sequence) -> scheduler.Entry:
-    return scheduler.Entry(s, _rank(s), s.reserved)
-
-
-def _rank(s: Sequence) -> int:
-    """The request's rank in the queue (enqueue ms + class delay ms): lower is more urgent."""
-    return int(s.key.request.rank)
+    return scheduler.Entry(s, rank(s), s.reserved)

@@ -1,0 +1,142 @@
+"""redis-server's instructions per request, by part: a count that a shared machine's noise
+does not move, for comparing two versions of the scripts.
+
+``python -m bench.redis_instructions [-n N] [--backlog B]`` starts a private redis-server
+under valgrind's callgrind (it must be installed) and drives the scripts in the shapes
+the defaults give them, one call at a time: enqueues of 500, claims of 64 by a worker that
+counts tokens (each claim sending the counts of the requests the last one priced ahead),
+commits of 64 with the worker holding two batches, result delivery as the Client does
+it (pop the reply list, delete the results read), B requests (default 1,000) standing
+in the queue throughout, as in ``bench.redis_time``'s run. After each call it has
+callgrind write out and zero its counts, and it sums them by part: instructions per
+request of enqueue, claim, commit and delivery. Run it in two worktrees to compare:
+the counts repeat to within a percent or two, where CPU time on a busy machine moves
+by tens. (Instructions are not time: a listpack's scan runs more of them per
+nanosecond than Lua does. ``bench.redis_time`` gives the time.)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+from batchery.batching.messages import Result
+from batchery.batching.queue import RequestQueue
+from batchery.batching.request import Request
+from batchery.embedded import find_redis_server
+from batchery.workers.options import WorkerOptions
+from bench import common
+
+DEFAULTS = WorkerOptions()  # the worker's defaults: the claims' shape
+ENQUEUE_BATCH = 500  # Client.map's requests per enqueue call
+HELD = 2  # batches a worker holds at once (one running, one claimed ahead)
+PARTS = ("enqueue", "claim", "commit", "delivery")
+
+
+def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
+    """n requests through the scripts; ``dump(part)`` after each call."""
+    conn = redis.Redis.from_url(url, decode_responses=True)
+    queue = RequestQueue(conn, "instructions")
+    for lo in range(0, backlog, ENQUEUE_BATCH):
+        queue.enqueue([Request(id=f"b{i}", input=i) for i in range(lo, min(backlog, lo + ENQUEUE_BATCH))],
+                      "bench")
+    dump("")  # the backlog's enqueues are not counted
+    ahead: list[Any] = []
+    claims = 0
+
+    def claim(token: str, counts: list[tuple[str, int]]) -> Any:
+        """As the worker claims with its defaults, the head not held (max_wait_ms 0)."""
+        return queue.claim(token, DEFAULTS.max_batch_size, DEFAULTS.max_batch_tokens, 0,
+                           DEFAULTS.claim_lookahead, True, counts)
+    for lo in range(0, n, ENQUEUE_BATCH):
+        size = min(ENQUEUE_BATCH, n - lo)
+        queue.enqueue([Request(id=f"r{i}", input=i) for i in range(lo, lo + size)], "bench")
+        dump("enqueue")
+        got, held = 0, []
+        while got < size or held:
+            if got < size:
+                claims += 1
+                token = f"w#{claims}"
+                reply = claim(token, [(i, 1) for i, _ in ahead])
+                if reply.to_price:  # the first claim: a pricing round
+                    reply = claim(token, [(i, 1) for i, _ in reply.to_price])
+                dump("claim")
+                ahead = reply.price_ahead
+                if not reply.batch:
+                    raise SystemExit(f"a claim leased nothing: {reply}")
+                got += len(reply.batch)
+                held.append(reply.batch)
+            if len(held) == HELD or got >= size:
+                batch = held.pop(0)
+                items = [(c.id, c.lease_token, Result(id=c.id, status="ok", attempts=1).to_json())
+                         for c in batch]
+                queue.complete(items, {"requests": len(items), "batches": 1}, [c.client for c in batch])
+                dump("commit")
+                jsons = conn.lpop(queue.keys.reply("bench"), 1000) or []
+                queue.forget_results([Result.from_json(j).id for j in jsons])
+                dump("delivery")
+    conn.close()
+
+
+def count(n: int, backlog: int) -> dict[str, float]:
+    """Instructions per request of each part, from callgrind's dumps."""
+    valgrind, control = shutil.which("valgrind"), shutil.which("callgrind_control")
+    if not valgrind or not control:
+        raise SystemExit("needs valgrind (with callgrind_control) on the PATH")
+    folder, port = tempfile.mkdtemp(prefix="batchery-instructions-"), common.free_port()
+    out = os.path.join(folder, "callgrind.out")
+    proc = subprocess.Popen([valgrind, "--tool=callgrind", f"--callgrind-out-file={out}",
+                             find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", folder, "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        common.wait_until(lambda: common.pings(redis.Redis(port=port)), 60, "redis-server")
+        drive(url, 1000, 0, lambda part: None)  # warm: scripts loaded
+        redis.Redis(port=port).flushdb()
+
+        def dump(part: str) -> None:
+            subprocess.run([control, f"--dump={part or 'skip'}", str(proc.pid)], check=True,
+                           capture_output=True)
+        dump("")
+        drive(url, n, backlog, dump)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    totals = dict.fromkeys(PARTS, 0)
+    for path in glob.glob(out + ".*"):
+        text = Path(path).read_text(errors="replace")
+        part = re.search(r"^desc: Trigger: .*dump (\w+)", text, re.M)
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if part and total and part.group(1) in totals:
+            totals[part.group(1)] += int(total.group(1))
+    shutil.rmtree(folder, ignore_errors=True)
+    used = {part: totals[part] / n for part in PARTS}
+    used["all"] = sum(used.values())
+    return used
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
+    p.add_argument("--backlog", type=int, default=1000, help="requests standing in the queue")
+    args = p.parse_args(argv)
+    used = count(args.n, args.backlog)
+    print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
+          f"{args.backlog:,}; {common.machine()}):\n")
+    print(common.table([{"part": k, "ir": v} for k, v in used.items()],
+                       [("part", "part", ""), ("ir", "instructions per request", ",.0f")]))
+    common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, **used})
+    return used
+
+
+if __name__ == "__main__":
+    main()
