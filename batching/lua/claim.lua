@@ -346,12 +346,8 @@ end
 if #ids == 0 then
   fair_settle({}, stale, {})
   -- all above the ceiling (another shard's head came first since it was read): ask again
-<<<<<<< HEAD
-  if ceiling and rcall('ZCARD', K.pending) > 0 then return {now, 1, 0} end
-  if refill_ms then return {now, refill_ms, 0} end  -- all that is pending is over its rate
-=======
   if ceiling and #rcall('ZRANGE', K.pending, 0, 0) > 0 then return {now, 1, 0} end  -- (no ZCARD: the worker's ACL)
->>>>>>> main
+  if refill_ms then return {now, refill_ms, 0} end  -- all that is pending is over its rate
   local next_due = rcall('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
   if #next_due == 0 then return {now, -1, 0} end
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
