@@ -17,17 +17,15 @@ from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
-from batchery.batching.streams import StreamWriter
-from batchery.connection import Backoff, retrying
+from batchery.connection import retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Executed, failure
-from batchery.workers.generation import outputs, text
 from batchery.workers.generation.batch import Sequence
 from batchery.workers.generation.engine import EngineRunner
-from batchery.workers.generation.lookout import Lookout
+from batchery.workers.generation.queue_side import QueueSide
 from batchery.workers.generation.slot import Slot, rank
-from batchery.workers.leases import Leases, report_redis_error
+from batchery.workers.leases import Leases
 from batchery.workers.results import ResultWriter
 from batchery.workers.runners.base import InputError
 
@@ -35,25 +33,15 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # the engine's, as batchery reports them
 
 
-class EngineLoop:
+class EngineLoop(QueueSide):
     def __init__(self, queue_: ShardedQueue, runner: EngineRunner, claimer: Claimer,
                  leases: Leases, writer: ResultWriter, options: Any,
                  count: Callable[..., None] = lambda **_: None) -> None:
-        self.queue, self.runner, self.engine, self.claimer = queue_, runner, runner.engine, claimer
-        self.leases, self.writer, self.options, self.count = leases, writer, options, count
+        super().__init__(queue_, runner, claimer, leases, writer, options, count)
+        self.engine = runner.engine
         self.running: dict[str, Sequence] = {}  # engine request id -> the request's sequence
         self.steps = 0
         self.preempted = 0  # the engine preempts on its own: not seen from here
-        self.streams = StreamWriter(queue_.client, queue_.keys_for)
-        self.lookout = Lookout(queue_)
-        self._claim_backoff, self._claim_after = Backoff(), 0.0
-
-    def run(self, stop: Any, burst: bool) -> None:
-        self.lookout.start()
-        try:
-            self._turns(stop, burst)
-        finally:
-            self.lookout.stop()
 
     def _turns(self, stop: Any, burst: bool) -> None:
         handed_back = False
@@ -76,40 +64,20 @@ class EngineLoop:
     def _claim(self, burst: bool) -> bool | None:
         """Claim into the room left, or the head alone when it is more urgent than a
         running request (the engine preempts for it); None: the burst is over."""
-        if time.monotonic() < self._claim_after:
-            return True
         held = list(self.running.values())
         slots = self.options.max_batch_size - len(held)
         tokens = self.options.max_batch_tokens - sum(s.reserved for s in held)
         head = self.lookout.head
+        size: tuple[int, int] | None = None
         if slots >= 1 and tokens >= 1:
             size = slots, tokens
         elif head is not None and head < max(rank(s) for s in held):
             size = 1, 1  # a claim always takes the head, whatever its size
-        else:
-            return True
-        idle, held_before = not held, len(self.leases)
-        try:
-            claimed, reply = self.claimer.claim_requests(
-                *size, self.options.max_wait_ms if idle else 0)
-            self._claim_backoff.reset()
-        except Exception as exc:  # Redis away: the engine goes on, claim again later
-            wait_s = self._claim_backoff.next()
-            report_redis_error("claim", exc, wait_s)
-            self._claim_after = time.monotonic() + wait_s
-            if idle:
-                time.sleep(wait_s)
-            return True
-        if claimed:
-            self.count(claimed_ms=reply.now_ms)
-            for request in claimed:
-                self._add(request, reply.now_ms)
-            self._flush_streams()  # readers see the run start at its claim
-        elif idle:
-            if reply.wait_ms == -1 and burst and not held_before:
-                return None
-            self.claimer.idle(reply)
-        return True
+        return self._claim_into(size, not held, burst, self._add_all)
+
+    def _add_all(self, claimed: list[Claimed], now_ms: int) -> None:
+        for request in claimed:
+            self._add(request, now_ms)
 
     def _add(self, request: Claimed, now_ms: int) -> None:
         """Hand the request to the engine; one it refuses fails here, alone."""
@@ -184,16 +152,8 @@ class EngineLoop:
                           for token, ranked in zip(s.generated, out.logprobs)]
         return max(0, added)
 
-    def _stream(self, s: Sequence) -> None:
-        delta = text.stream_delta(s)
-        if delta is not None:
-            self.streams.text(s.key.request.id, delta, len(s.generated))
-
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
-        self._flush_streams()  # a stream's text goes before its end, which follows the commit
-        for executed in outputs.by_claim(ended, failed or [], self.runner, len(self.running) + len(ended)):
-            self.writer.submit(executed)
-        self.count(requests=len(ended))
+        super()._commit(ended, failed, in_flight=len(self.running))
 
     # -- between steps -----------------------------------------------------------------
     def _check_deadlines(self) -> None:
@@ -227,12 +187,6 @@ class EngineLoop:
                     self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d request(s) cancelled or taken over", len(lost))
 
-    def _attach(self, s: Sequence) -> None:
-        try:
-            self.queue.attach_output(s.key.request.id, s.key.request.lease_token, outputs.cancelled(s))
-        except Exception as exc:  # the result stays the cancel's, without output
-            log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
-
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
             self.running.pop(rid, None)
@@ -241,12 +195,6 @@ class EngineLoop:
         except Exception as exc:  # already finished in the engine: nothing to free
             log.debug("aborting %d request(s) in the engine: %s", len(ids), exc)
 
-    def _flush_streams(self) -> None:
-        """Hand the stream entries added so far to the writer's thread: written off the
-        step's path, in order with the commits (a stream's text before its end)."""
-        entries = self.streams.take()
-        if entries:
-            self.writer.later(lambda: self.streams.write(entries))
 
 
 def _engine_id(request: Claimed) -> str:

@@ -10,27 +10,25 @@ from typing import Any, Callable
 
 from batchery.batching.messages import Claimed
 from batchery.batching.sharded import ShardedQueue
-from batchery.batching.streams import StreamWriter
-from batchery.connection import Backoff, retrying
+from batchery.connection import retrying
 from batchery.workers import metrics, tracing
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import BatchCap, Executed, failure, is_out_of_memory
-from batchery.workers.generation import outputs, prefix_cache, scheduler, text
+from batchery.workers.generation import prefix_cache, scheduler, text
 from batchery.workers.generation.batch import Prefill, Sequence
-from batchery.workers.generation.lookout import Lookout
+from batchery.workers.generation.queue_side import QueueSide
 from batchery.workers.generation.slot import Slot, rank
-from batchery.workers.leases import Leases, report_redis_error
+from batchery.workers.leases import Leases
 from batchery.workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
 
 
-class DecodeLoop:
+class DecodeLoop(QueueSide):
     def __init__(self, queue_: ShardedQueue, runner: Any, claimer: Claimer, leases: Leases,
                  writer: ResultWriter, options: Any,
                  count: Callable[..., None] = lambda **_: None, cap: BatchCap | None = None) -> None:
-        self.queue, self.runner, self.claimer = queue_, runner, claimer
-        self.leases, self.writer, self.options, self.count = leases, writer, options, count
+        super().__init__(queue_, runner, claimer, leases, writer, options, count)
         prefix = options.prefix_cache_tokens  # None: a share of the KV budget
         self.batch = runner.new_batch(int(prefix_cache.CACHE_SHARE * options.max_batch_tokens)
                                       if prefix is None else prefix)
@@ -41,17 +39,7 @@ class DecodeLoop:
         # preempted rows still in the batch's cache: cutting it copies the whole cache (tens
         # of ms), so it waits until the newcomer's first token is out (_cut_preempted)
         self._preempting: list[Sequence] = []
-        self.streams = StreamWriter(queue_.client, queue_.keys_for)
-        self._claim_backoff, self._claim_after = Backoff(), 0.0
         self._spent: dict[str, float] = {}  # the batch's seconds by phase, as last counted
-        self.lookout = Lookout(queue_)  # the head's rank and the leases, read off the step's path
-
-    def run(self, stop: Any, burst: bool) -> None:
-        self.lookout.start()
-        try:
-            self._turns(stop, burst)
-        finally:
-            self.lookout.stop()
 
     def _turns(self, stop: Any, burst: bool) -> None:
         handed_back = False
@@ -97,38 +85,18 @@ class DecodeLoop:
     def _claim(self, burst: bool) -> bool | None:
         """Claim into the room left, or the queue's head alone when it is more urgent than
         a running sequence (room is made for it in ``_admit``); None: burst over."""
-        if time.monotonic() < self._claim_after:
-            return True
         running = self._running()
         slots, tokens = self._room(running + self.waiting)
+        size: tuple[int, int] | None = None
         if slots >= 1 and tokens >= 1 and not self.waiting:
             size = slots, tokens
         elif self._overtaken():
             size = 1, 1  # a claim always takes the head, whatever its size
-        else:
-            return True
-        idle = not running and not self.waiting
-        held_before = len(self.leases)
-        try:
-            claimed, reply = self.claimer.claim_requests(
-                *size, self.options.max_wait_ms if idle else 0)
-            self._claim_backoff.reset()
-        except Exception as exc:  # Redis away: keep decoding, claim again later
-            wait_s = self._claim_backoff.next()
-            report_redis_error("claim", exc, wait_s)
-            self._claim_after = time.monotonic() + wait_s
-            if idle:
-                time.sleep(wait_s)
-            return True
-        if claimed:
-            self.count(claimed_ms=reply.now_ms)
-            self.waiting += [s for s in (self._sequence(r, reply.now_ms) for r in claimed) if s]
-            self._flush_streams()  # readers see the run start at its claim
-        elif idle:
-            if reply.wait_ms == -1 and burst and not held_before:
-                return None
-            self.claimer.idle(reply)
-        return True
+        return self._claim_into(size, not running and not self.waiting, burst, self._wait)
+
+    def _wait(self, claimed: list[Claimed], now_ms: int) -> None:
+        """Claimed requests wait for room as sequences, most urgent first (in _admit)."""
+        self.waiting += [s for s in (self._sequence(r, now_ms) for r in claimed) if s]
 
     def _overtaken(self) -> bool:
         """The worker is full: is the queue's head more urgent than a running sequence
@@ -328,16 +296,8 @@ class DecodeLoop:
                 self.batch.drop(ended + [s for s, _ in failed])
             self._commit(ended, failed)
 
-    def _stream(self, s: Sequence) -> None:
-        delta = text.stream_delta(s)
-        if delta is not None:
-            self.streams.text(s.key.request.id, delta, len(s.generated))
-
     def _commit(self, ended: list[Sequence], failed: list[tuple[Sequence, Exception]] | None = None) -> None:
-        self._flush_streams()  # a stream's text goes before its end, which follows the commit
-        for executed in outputs.by_claim(ended, failed or [], self.runner, len(self.batch.rows) + len(ended)):
-            self.writer.submit(executed)
-        self.count(requests=len(ended))
+        super()._commit(ended, failed, in_flight=len(self.batch.rows))
 
     # -- between steps -----------------------------------------------------------------
     def _check_leases(self) -> None:
@@ -364,22 +324,6 @@ class DecodeLoop:
                     self.streams.end(s.key.request.id, "cancelled")
         log.info("stopped %d sequence(s) whose request was cancelled or taken over", len(lost))
 
-    def _attach(self, s: Sequence) -> None:
-        """Give a cancelled sequence's result the text generated so far, before its stream
-        ends (the reader reads the result at the end)."""
-        s.text = text.so_far(s, self.runner)
-        output = outputs.cancelled(s)
-        try:
-            self.queue.attach_output(s.key.request.id, s.key.request.lease_token, output)
-        except Exception as exc:  # the result stays the cancel's, without output
-            log.warning("attaching the text of cancelled request %s failed: %s", s.key.request.id, exc)
-
-    def _flush_streams(self) -> None:
-        """Hand the stream entries added so far to the writer's thread: written off the
-        step's path, in order with the commits (a stream's text before its end)."""
-        entries = self.streams.take()
-        if entries:
-            self.writer.later(lambda: self.streams.write(entries))
 
 
 def _entry(s: Sequence) -> scheduler.Entry:
