@@ -134,12 +134,12 @@ def worker_args(model_dir: Path, port: int) -> tuple[str, ...]:
 
 
 @contextmanager
-def serving_worker(url: str, model_dir: Path, name: str) -> Iterator[tuple[Client, int]]:
-    """A generate worker on a fresh queue, warmed up, and a client of it: (client, the
-    worker's metrics port). The worker stops on exit."""
+def serving_worker(url: str, model_dir: Path, name: str, *flags: str) -> Iterator[tuple[Client, int]]:
+    """A generate worker on a fresh queue (its defaults, and ``flags``), warmed up, and a
+    client of it: (client, the worker's metrics port). The worker stops on exit."""
     queue = f"{name}-{time.monotonic_ns()}"
     port = common.free_port()
-    worker = common.batchery_worker(url, queue, *worker_args(model_dir, port))
+    worker = common.batchery_worker(url, queue, *worker_args(model_dir, port), *flags)
     try:
         with Client(url, queue) as client:
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
@@ -152,19 +152,24 @@ def serving_worker(url: str, model_dir: Path, name: str) -> Iterator[tuple[Clien
 
 def batchery(url: str, model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
     with serving_worker(url, model_dir, "gen") as (client, port):
-        started = time.perf_counter()
-        latencies, tokens = [], 0
-        for result in client.stream({"input": r, "priority": "batch"} for r in requests):
-            if not result.ok:
-                raise SystemExit(f"batchery failed a request: {result.error}")
-            latencies.append(time.perf_counter() - started)
-            tokens += result.output["tokens"]
-        seconds = time.perf_counter() - started
+        latencies, tokens, seconds = drain(client, requests)
         step_ms = mean_step_ms(port)
         phases = step_phases(port)
     row = summary("(c) batchery, 1 worker, its defaults", latencies, tokens, seconds)
     row["step_ms"], row["phases_ms"] = step_ms, phases
     return row
+
+
+def drain(client: Client, requests: list[dict[str, Any]]) -> tuple[list[float], int, float]:
+    """Every request through the worker at once, batch class: each result's latency from
+    the start, the tokens generated, and the seconds it all took."""
+    started, latencies, tokens = time.perf_counter(), [], 0
+    for result in client.stream({"input": r, "priority": "batch"} for r in requests):
+        if not result.ok:
+            raise SystemExit(f"batchery failed a request: {result.error}")
+        latencies.append(time.perf_counter() - started)
+        tokens += result.output["tokens"]
+    return latencies, tokens, time.perf_counter() - started
 
 
 def mean_step_ms(port: int) -> float:

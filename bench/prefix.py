@@ -22,7 +22,6 @@ import math
 import os
 import random
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from batchery import Client  # noqa: E402
 from batchery.workers.runners.hf import resolve_model  # noqa: E402
 from bench import common  # noqa: E402
 from bench.corpus import paragraphs, passages  # noqa: E402
-from bench.generate import MODEL, SAMPLING  # noqa: E402
+from bench.generate import MODEL, SAMPLING, drain, serving_worker  # noqa: E402
 
 SYSTEM_TOKENS = 512   # the system prompt
 QUESTION_WORDS = 12   # a short question: a paragraph's opening words
@@ -79,24 +77,9 @@ def workload(system: str, n: int, sampling: dict[str, Any] | None) -> list[dict[
 
 def serve(url: str, model_dir: Path, requests: list[dict[str, Any]], name: str,
           *flags: str) -> dict[str, Any]:
-    queue, port = f"prefix-{time.monotonic_ns()}", common.free_port()
-    worker = common.batchery_worker(url, queue, "--task", "generate", "--model", str(model_dir),
-                                    "--device", "cpu", "--metrics-port", str(port), *flags)
-    try:
-        with Client(url, queue) as client:
-            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 180, "the worker")
-            list(client.stream([{"input": {"prompt": "warm up", "max_new_tokens": 8}}]))
-            common.freeze()
-            started, latencies, tokens = time.perf_counter(), [], 0
-            for result in client.stream({"input": r, "priority": "batch"} for r in requests):
-                if not result.ok:
-                    raise SystemExit(f"batchery failed a request: {result.error}")
-                latencies.append(time.perf_counter() - started)
-                tokens += result.output["tokens"]
-            seconds = time.perf_counter() - started
-            values = common.metrics(port)
-    finally:
-        common.stop([worker])
+    with serving_worker(url, model_dir, "prefix", *flags) as (client, port):
+        latencies, tokens, seconds = drain(client, requests)
+        values = common.metrics(port)
     reused, prompt = (values.get(f"batchery_prefix_{k}_tokens_total", 0.0) for k in ("reused", "prompt"))
     return {"system": name, "requests": len(latencies), "tokens": tokens,
             "seconds": round(seconds, 2), "tokens_s": tokens / seconds,
