@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
 from batchery.batching.messages import CANCELLED, Claimed, Result, stored_input
-from batchery.batching.request import Request
+from batchery.batching.request import DEFAULT_TENANT, Request
 from batchery.batching.pricing import estimate_tokens
 from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
@@ -121,6 +121,13 @@ def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[s
 def parse_clients(scheds: Sequence[str | None]) -> list[str]:
     """The client field of sched entries ('' where the request is gone)."""
     return [s.split(":", 6)[5] if s else "" for s in scheds]
+
+
+def sched_tenant(sched: str) -> str:
+    """The tenant of a sched entry ("tokens:expire:enq:rank:class:client:tenant"; an
+    entry written before tenants ends at client: the default tenant)."""
+    parts = sched.split(":", 6)
+    return parts[6] if len(parts) > 6 and parts[6] else DEFAULT_TENANT
 
 
 def parse_cancel(reply: list[Any]) -> list[Cancelled]:

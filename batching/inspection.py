@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from batchery.batching.calls import (oldest_call, parse_oldest, purge_call, revive_call)
+from batchery.batching.calls import (oldest_call, parse_oldest, purge_call, revive_call,
+                                     sched_tenant)
 from batchery.batching.keys import QUEUES, Keys
 from batchery.batching.messages import Result, stored_input
-from batchery.batching.request import DEFAULT_TENANT
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import DEFAULTS
 
@@ -65,13 +65,6 @@ def merge_loads(*loads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
             for k, v in load.items():
                 into[k] = into.get(k, 0) + v
     return total
-
-
-def sched_tenant(sched: str) -> str:
-    """The tenant of a sched entry ("tokens:expire:enq:rank:class:client:tenant"; an
-    entry written before tenants ends at client: "default")."""
-    parts = sched.split(":", 6)
-    return parts[6] if len(parts) > 6 and parts[6] else DEFAULT_TENANT
 
 
 def dead_results(ids: Sequence[str], results: Sequence[Result | None]) -> list[Result]:

@@ -6,10 +6,9 @@ readers it shares with its asyncio twin are batching/calls.py's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Callable, Sequence
-
-import logging
 
 import redis
 
