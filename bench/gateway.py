@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,16 @@ from bench import common
 from bench.generate import build_model, worker_args
 
 CONCURRENCY = (64, 1)
+# the paced row's arrival rate: this share of the direct path's throughput at 64, so that
+# neither path is saturated and the latency added is the gateway's, not the model's backlog
+PACED_LOAD = 0.5
+PACED_SEED = 7  # one Poisson schedule of arrivals, the same for both paths
 ROUNDS = 3        # each row's requests in this many turns, alternating the two paths
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
-COLUMNS = [("path", "path", ""), ("concurrency", "at once", "d"), ("requests", "requests", ",d"),
+COLUMNS = [("path", "path", ""), ("concurrency", "at once", "d"),
+           ("offered", "arrivals/s (paced)", ".0f"), ("requests", "requests", ",d"),
            ("rps", "requests/s", ",.0f"), ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
-           ("gateway_us", "gateway CPU us/request", ".0f")]
+           ("batch", "mean batch", ".1f"), ("gateway_us", "gateway CPU us/request", ".0f")]
 TTFT_COLUMNS = [("path", "path", ""), ("requests", "requests", "d"), ("p50_ms", "p50 ms", ".2f"),
                 ("p90_ms", "p90 ms", ".2f")]
 
@@ -101,6 +107,35 @@ async def load(call: Callable[[int], Awaitable[None]], n: int, concurrency: int
     return time.perf_counter() - started, latencies
 
 
+async def paced(call: Callable[[int], Awaitable[None]], n: int, concurrency: int, rate: float
+                ) -> tuple[float, list[float]]:
+    """``n`` calls arriving at ``rate`` a second (Poisson, the same seeded schedule for every
+    path), on the first of ``concurrency`` callers free: (seconds, each call's latency
+    from its scheduled arrival, so that a call kept waiting for a free caller counts it)."""
+    gaps = random.Random(PACED_SEED)
+    free: asyncio.Queue[int] = asyncio.Queue()
+    for k in range(concurrency):
+        free.put_nowait(k)
+    latencies: list[float] = []
+
+    async def one(due: float) -> None:
+        k = await free.get()
+        try:
+            await call(k)
+        finally:
+            free.put_nowait(k)
+        latencies.append(time.perf_counter() - due)
+
+    started = due = time.perf_counter()
+    tasks = []
+    for _ in range(n):
+        due += gaps.expovariate(rate)
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(due)))
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - started, latencies
+
+
 def row(path: str, concurrency: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
     return {"path": path, "concurrency": concurrency, "requests": len(latencies),
             "rps": len(latencies) / seconds, "p50_ms": 1000 * common.percentile(latencies, 0.5),
@@ -108,12 +143,17 @@ def row(path: str, concurrency: int, seconds: float, latencies: list[float]) -> 
 
 
 async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) -> list[dict[str, Any]]:
+    """The rows: 64 callers as fast as they come back, 64 callers paced at PACED_LOAD of
+    the direct path's throughput there, one caller."""
     body = json.dumps({"model": queue, "input": TEXT}).encode()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    stats = Client(url, queue)  # the worker's totals: requests and batches it ran
     async with AsyncClient(url, queue) as client:
         await client.map([TEXT] * 200)  # warm: scripts loaded, the model's first batches run
-        for concurrency in CONCURRENCY:
+        for concurrency, pace in ((CONCURRENCY[0], None), (CONCURRENCY[0], PACED_LOAD),
+                                  (CONCURRENCY[1], None)):
             count = n if concurrency > 1 else max(200, n // 20)
+            rate = pace and pace * rows[1]["rps"]  # rows[1]: the direct path at 64
             connections = [await Connection.open(port) for _ in range(concurrency)]
 
             async def through_gateway(k: int) -> None:
@@ -123,28 +163,40 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
             async def direct(_k: int) -> None:
                 assert (await client.submit(TEXT, timeout=120)).ok
 
+            async def run(call: Callable[[int], Awaitable[None]], count: int
+                          ) -> tuple[float, list[float]]:
+                if rate:
+                    return await paced(call, count, concurrency, rate)
+                return await load(call, count, concurrency)
+
             await load(through_gateway, min(count, 500), concurrency)  # warm the HTTP path
             paths = (("gateway /v1/embeddings", through_gateway), ("AsyncClient.submit", direct))
-            spent = {p: [0.0, [], 0.0] for p, _ in paths}  # seconds, latencies, gateway CPU
+            # seconds, latencies, gateway CPU, requests and batches the worker ran
+            spent = {p: [0.0, [], 0.0, 0, 0] for p, _ in paths}
             for _ in range(ROUNDS):  # alternated, so that the machine's load drifts on both
                 for c in connections:
                     c.close()
                 connections[:] = [await Connection.open(port) for _ in range(concurrency)]
                 for path, call in paths:
                     common.log(f"embeddings: {path}, {count // ROUNDS:,} requests, "
-                               f"{concurrency} at a time ...")
-                    cpu = common.cpu_seconds(gateway_pid)
-                    seconds, latencies = await load(call, count // ROUNDS, concurrency)
-                    spent[path][0] += seconds
-                    spent[path][1] += latencies
-                    spent[path][2] += common.cpu_seconds(gateway_pid) - cpu
+                               f"{concurrency} at a time" + (f", {rate:.0f}/s" if rate else "")
+                               + " ...")
+                    cpu, before = common.cpu_seconds(gateway_pid), stats.queue.stats()["totals"]
+                    seconds, latencies = await run(call, count // ROUNDS)
+                    after = stats.queue.stats()["totals"]
+                    for i, more in enumerate((seconds, latencies, common.cpu_seconds(gateway_pid) - cpu,
+                                              after.get("ok", 0) - before.get("ok", 0),
+                                              after.get("batches", 0) - before.get("batches", 0))):
+                        spent[path][i] += more
             for path, call in paths:
-                seconds, latencies, cpu = spent[path]
-                rows.append(row(path, concurrency, seconds, latencies))
+                seconds, latencies, cpu, ran, batches = spent[path]
+                rows.append({**row(path, concurrency, seconds, latencies), "offered": rate,
+                             "batch": ran / max(1, batches)})
                 if call is through_gateway:  # the gateway process's CPU per request
                     rows[-1]["gateway_us"] = 1e6 * cpu / len(latencies)
             for c in connections:
                 c.close()
+    stats.close()
     return rows
 
 
@@ -221,17 +273,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _summary(rows: list[dict[str, Any]], ttft: list[dict[str, Any]]) -> dict[str, Any]:
-    at = {(r["path"].split()[0], r["concurrency"]): r for r in rows}
-    g64, d64, g1, d1 = (at[("gateway", 64)], at[("AsyncClient.submit", 64)],
-                        at[("gateway", 1)], at[("AsyncClient.submit", 1)])
+    g64, d64, gp, dp, g1, d1 = rows  # embeddings' order: at 64, paced at 64, one at a time
     out = {"throughput_ratio_64": g64["rps"] / d64["rps"],
            "added_p50_ms_64": g64["p50_ms"] - d64["p50_ms"],
+           "added_p50_ms_paced": gp["p50_ms"] - dp["p50_ms"],
+           "paced_rate": gp["offered"],
            "added_p50_ms_1": g1["p50_ms"] - d1["p50_ms"],
            "ttft_added_p50_ms": ttft[0]["p50_ms"] - ttft[1]["p50_ms"]}
     out["gateway_us_64"] = g64["gateway_us"]
     out["text"] = (f"At 64: gateway/direct throughput {out['throughput_ratio_64']:.2f}x, median "
                    f"added {out['added_p50_ms_64']:+.2f} ms, gateway CPU "
-                   f"{out['gateway_us_64']:.0f} us/request; one at a time: median added "
+                   f"{out['gateway_us_64']:.0f} us/request; 64 callers paced at "
+                   f"{out['paced_rate']:.0f} arrivals/s ({PACED_LOAD:.0%} of the direct "
+                   f"path's throughput): median added {out['added_p50_ms_paced']:+.2f} ms; "
+                   f"one at a time: median added "
                    f"{out['added_p50_ms_1']:+.2f} ms; time to first token added "
                    f"{out['ttft_added_p50_ms']:+.2f} ms (medians).")
     return out
