@@ -13,8 +13,14 @@
    the queue's shards (``--shards N``: the queue spread over N). Beside them a fourth
    tenant sends a realtime request every PROBE_EVERY_S and waits for it: its latency's
    p50 and p99, fair share against by age.
+3. Realtime: the same flood and probes on one queue and one worker, the queue's fair
+   share switched on and off at run time every SEGMENT_S (by age, fair, fair, by age,
+   ...), each way's probes pooled: the p99 of each, their ratio and its bootstrap 90%
+   interval. Two runs one after the other (2.) leave the p99, the 4th-slowest of ~450,
+   to the machine's drift between them; here both ways share every minute of it.
 
-``python -m bench.fair_share [--quick] [--shards N] [--shares-only]``
+``python -m bench.fair_share [--quick] [--shards N] [--shares-only | --realtime-only]
+[--segments K]``
 """
 
 from __future__ import annotations
@@ -254,7 +260,7 @@ REALTIME_COLUMNS = [("scenario", "scenario", ""), ("segments", f"{SEGMENT_S:.0f}
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--shards", type=int, default=1, help="also run the shares on a queue of "
-                   "this many shards")
+                   "this many shards, and the realtime run on it")
     p.add_argument("--shares-only", action="store_true", help="the shares runs alone")
     p.add_argument("--realtime-only", action="store_true", help="the realtime run alone")
     p.add_argument("--segments", type=int, help="the realtime run's segments of "
@@ -283,9 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            f"shard(s), {'fair share' if fair else 'by age'} ...")
                 shares.append(shares_run(url, seconds, fair, shards))
         if not args.shares_only:
-            common.log(f"fair share: realtime beside the flood, {segments} segments of "
+            common.log(f"fair share: realtime beside the flood, {args.shards} shard(s), {segments} segments of "
                        f"{SEGMENT_S:.0f} s switching by age / fair share ...")
-            realtime = realtime_run(url, segments)
+            realtime = realtime_run(url, segments, args.shards)
     text = "\n\n".join(common.table(t, c) for t, c in ((shares, SHARE_COLUMNS),
                                                         (realtime, REALTIME_COLUMNS)) if t)
     checks = []
