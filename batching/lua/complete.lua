@@ -49,8 +49,9 @@ for i = 1, n do
     flags[i] = 0
   end
 end
+declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
 push_replies(reply_prefix, replies, ttl)
-if #done > 0 then forget(K, done) end
+if #done > 0 then forget(K, done, true) end
 if not replayed then
   for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
     rcall('HINCRBY', K.stats, name, v)
