@@ -35,11 +35,11 @@ local function hmget_chunked(key, fields)
   return out
 end
 
--- How many of `keys` exist, in slices (see call_chunked).
-local function count_existing(keys)
+-- How many of keys[first..last] exist, in slices (see call_chunked).
+local function count_existing(keys, first, last)
   local found, step = 0, 1000
-  for i = 1, #keys, step do
-    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, #keys)))
+  for i = first, last, step do
+    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, last)))
   end
   return found
 end
