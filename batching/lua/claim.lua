@@ -134,12 +134,12 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   return reply
 end
 
--- Write the counts of the counted candidates not in `taken` (id -> true) to sched, where
--- their entry is still marked estimated ("~N").
-local function write_counts(taken)
+-- Write the counts of the counted candidates not taken (still in `counted`) to sched,
+-- where their entry is still marked estimated ("~N").
+local function write_counts()
   local rest_ids = {}
   for _, id in ipairs(counted_ids) do
-    if not taken[id] then rest_ids[#rest_ids + 1] = id end
+    if counted[id] then rest_ids[#rest_ids + 1] = id end
   end
   if #rest_ids == 0 then return end
   local raws, writes = hmget_chunked(K.sched, rest_ids), {}
@@ -394,7 +394,7 @@ local function scan(first)
   for i = first, #ids do
     local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
     if scheds[i] then
-      local f = sched_fields(scheds[i])
+      local f = fields_of[scheds[i]] or sched_fields(scheds[i])
       mark, tokens, expire, enq_rank = f[1], f[2], f[3], f[4]
       if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
         mark, tokens = '', counted[id]
@@ -441,7 +441,7 @@ if not settled and #ids == window and window < lookahead then
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
 if price_estimates and #estimated > 0 then
-  write_counts({})
+  write_counts()
   local reply = {now, -2, 0}
   for _, id in ipairs(estimated) do reply[#reply + 1] = id end
   local payloads = rcall('HMGET', K.requests, unpack(estimated))
@@ -464,7 +464,9 @@ if #live > 0 then
   for j = 2, #live do
     local slower = delays[j] > delays[1]
     if fill_from_slower or not slower then
-      local key = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      local gap = lengths[j] - head
+      if gap < 0 then gap = -gap end
+      local key = (slower and later or 0) + gap * stride + j
       sorted = sorted and (#order == 0 or key > order[#order])
       order[#order + 1] = key
     else
@@ -475,7 +477,7 @@ if #live > 0 then
   for _, key in ipairs(order) do
     if #chosen >= max_size then break end
     local j = (key % later) % stride
-    local widest = math.max(longest, lengths[j])
+    local widest = lengths[j] > longest and lengths[j] or longest
     if widest * (#chosen + 1) <= max_tokens then
       chosen[#chosen + 1] = j
       longest = widest
@@ -496,9 +498,10 @@ end
 local take = {}
 for _, i in ipairs(expired) do take[#take + 1] = i end
 for _, i in ipairs(batch) do take[#take + 1] = i end
-local taken = {}
-for _, i in ipairs(take) do taken[ids[i]] = true end
-write_counts(taken)
+if #counted_ids > 0 then
+  for _, i in ipairs(take) do counted[ids[i]] = nil end  -- taken: counted again by its worker
+  write_counts()
+end
 if #take == 0 then
   fair_settle({}, {}, 0, stale, {})
   if wait == 0 and refill_ms then wait = refill_ms end  -- what is left is over its rate
