@@ -136,7 +136,7 @@ for _, run in ipairs(runs) do
   for _ = 1, run[5] do
     i = i + 1
     local id, payload = ARGV[a], ARGV[a + 2]
-    if known(i, id) then
+    if (seen[id] or some_results or held[i]) and known(i, id) then  -- (a call only then)
       status[i] = 0  -- known already, or earlier in this call: the first one stands
     else
       seen[id] = true
