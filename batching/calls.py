@@ -97,10 +97,15 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
                        delays, client_id, DEFAULTS.memory_high_water, shards]
+    run = -1  # where the current run's count is in args: a run shares these three
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
         deadline_ms = math.ceil(r.deadline * 1000) if r.deadline else 0  # 0.4 ms: 1 ms, not none
-        args += [r.id, r.priority, tokens, deadline_ms, r.tenant, r.payload()]
+        if run < 0 or args[run - 3:run] != [r.priority, deadline_ms, r.tenant]:
+            args += (r.priority, deadline_ms, r.tenant, 0)
+            run = len(args) - 1
+        args[run] += 1
+        args += (r.id, tokens, r.payload())
     return Call([*fixed_keys(k, "enqueue", call=k.call(new_call_id())),
                  *(k.result_prefix + r.id for r in requests)], args)
 
@@ -234,8 +239,13 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
     with its client (see lua/complete.lua)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                        ",".join(f"{name}={n}" for name, n in totals.items() if n)]
-    for item, client in zip(items, clients, strict=True):
-        args += (*item, client)
+    run = -1  # where the current run's count is in args: a run shares a token and a client
+    for (request_id, token, result), client in zip(items, clients, strict=True):
+        if run < 0 or args[run - 2] != token or args[run - 1] != client:
+            args += (token, client, 0)
+            run = len(args) - 1
+        args[run] += 1
+        args += (request_id, result)
     return Call([*fixed_keys(k, "complete"), *declared_keys(k, [i[0] for i in items], clients)],
                 args)
 

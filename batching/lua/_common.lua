@@ -35,11 +35,11 @@ local function hmget_chunked(key, fields)
   return out
 end
 
--- How many of `keys` exist, in slices (see call_chunked).
-local function count_existing(keys)
+-- How many of keys[first..last] exist, in slices (see call_chunked).
+local function count_existing(keys, first, last)
   local found, step = 0, 1000
-  for i = 1, #keys, step do
-    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, #keys)))
+  for i = first, last, step do
+    found = found + rcall('EXISTS', unpack(keys, i, math.min(i + step - 1, last)))
   end
   return found
 end
@@ -239,8 +239,18 @@ end
 -- (batching/queue.py declares them). A result key not declared is a caller's bug: an
 -- error. A reply list not declared (its client was not known to the caller, a race
 -- only) is skipped: the waiting client finds the result by polling its key.
-local DECLARED = {}
-for _, key in ipairs(KEYS) do DECLARED[key] = true end
+-- DECLARED: key -> true for each of KEYS, built at its first lookup (most calls never
+-- look: enqueue and complete take their result keys by position).
+local DECLARED = setmetatable({}, {__index = function(set, key)
+  setmetatable(set, nil)
+  for _, k in ipairs(KEYS) do set[k] = true end
+  return set[key]
+end})
+-- Only KEYS[first..] declared: for a script that takes the keys before them by position.
+local function declare_only(first)
+  setmetatable(DECLARED, nil)
+  for i = first, #KEYS do DECLARED[KEYS[i]] = true end
+end
 
 local function result_key(result_prefix, id)
   local key = result_prefix .. id
@@ -337,13 +347,16 @@ local function dead_error(history, failures, last)
           message = 'the worker running this request stopped renewing its lease' .. ended}
 end
 
--- Forget a request's working state (not its result). (attempts and history are deleted
--- from even when absent: the worker's least-privilege ACL in README.md has no EXISTS.)
-local function forget(keys, ids)
+-- Forget a request's working state (not its result). attempts and history are deleted
+-- from even when absent, unless `seldom` (a caller whose ACL has HLEN: the worker's in
+-- docs/guides/least-privilege.md; the producer's has none): then only when they hold
+-- anything (almost no request fails: an HLEN each, not an HDEL argument per request).
+local function forget(keys, ids, seldom)
   call_chunked('HDEL', keys.requests, ids)
   call_chunked('HDEL', keys.sched, ids)
-  call_chunked('HDEL', keys.attempts, ids)
-  call_chunked('HDEL', keys.history, ids)
+  for _, key in ipairs({keys.attempts, keys.history}) do
+    if not seldom or rcall('HLEN', key) > 0 then call_chunked('HDEL', key, ids) end
+  end
   call_chunked('HDEL', keys.owner, ids)
   call_chunked('ZREM', keys.leased, ids)
 end

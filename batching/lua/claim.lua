@@ -56,9 +56,15 @@ local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local counted, counted_ids = {}, {}
 local ceiling = ARGV[8] ~= '' and ARGV[8] or nil
+local count_ok = {}  -- tokens text -> whether it is a count (checked once per distinct text)
 for i = 9, #ARGV - 1, 2 do
   local id, tokens = ARGV[i], ARGV[i + 1]
-  if not counted[id] and string.match(tokens, '^[1-9]%d*$') then  -- first count of an id
+  local ok = count_ok[tokens]
+  if ok == nil then
+    ok = string.match(tokens, '^[1-9]%d*$') ~= nil
+    count_ok[tokens] = ok
+  end
+  if ok and not counted[id] then  -- first count of an id
     counted[id] = tokens
     counted_ids[#counted_ids + 1] = id
   end
@@ -101,31 +107,39 @@ end
 
 -- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
 -- expired ones first; scheds: their entries when the caller holds them already.
+-- (attempts are read only when some request has failed: HLEN, once per claim)
 local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
-  if #out_ids == 0 then return {now, wait, 0} end
-  local reply = {now, wait, n_expired, head_rank or 0}
-  for _, id in ipairs(out_ids) do reply[#reply + 1] = id end
+  local n = #out_ids
+  if n == 0 then return {now, wait, 0} end
+  local reply, r = {now, wait, n_expired, head_rank or 0}, 4
+  for i = 1, n do reply[r + i] = out_ids[i] end
+  r = r + n
+  local failed = rcall('HLEN', K.attempts) > 0
   for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
                            scheds or rcall('HMGET', K.sched, unpack(out_ids)),
-                           rcall('HMGET', K.attempts, unpack(out_ids))}) do
-    for n = 1, #out_ids do reply[#reply + 1] = values[n] or false end
+                           failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}}) do
+    for i = 1, n do reply[r + i] = values[i] or false end
+    r = r + n
   end
   ahead = ahead or {}
-  for _, id in ipairs(ahead) do reply[#reply + 1] = id end
-  if #ahead > 0 then
+  local m = #ahead
+  for i = 1, m do reply[r + i] = ahead[i] end
+  r = r + m
+  if m > 0 then
     local payloads = rcall('HMGET', K.requests, unpack(ahead))
-    for n = 1, #ahead do reply[#reply + 1] = payloads[n] end
+    for i = 1, m do reply[r + i] = payloads[i] end
+    r = r + m
   end
-  reply[#reply + 1] = #ahead
+  reply[r + 1] = m
   return reply
 end
 
--- Write the counts of the counted candidates not in `taken` (id -> true) to sched, where
--- their entry is still marked estimated ("~N").
-local function write_counts(taken)
+-- Write the counts of the counted candidates not taken (still in `counted`) to sched,
+-- where their entry is still marked estimated ("~N").
+local function write_counts()
   local rest_ids = {}
   for _, id in ipairs(counted_ids) do
-    if not taken[id] then rest_ids[#rest_ids + 1] = id end
+    if counted[id] then rest_ids[#rest_ids + 1] = id end
   end
   if #rest_ids == 0 then return end
   local raws, writes = hmget_chunked(K.sched, rest_ids), {}
@@ -232,12 +246,13 @@ local function fair_reader(head)
   return r
 end
 
--- Settle a claim in the fair-share state: the taken requests ({id, sched, served}) leave
+-- Settle a claim in the fair-share state: the taken requests (taken_ids, their sched
+-- entries taken_scheds; the first n_unserved of them expired, not served) leave
 -- their sub-queues and the queued counts (`counts`, for add_depth); the served ones'
 -- tokens are charged to their tenants at their weights, after each class's floor is
 -- raised to its least backlogged counter; the stale entries ({member, class, tenant})
 -- are dropped. Each tenant touched keeps its place in fair_tenants while it has work.
-local function fair_settle(taken, stale, counts)
+local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
   local members, touched, served = {}, {}, {}
   local function touch(class, tenant, tokens)
     local key = class .. '\t' .. tenant
@@ -250,16 +265,18 @@ local function fair_settle(taken, stale, counts)
     touch(e[2], e[3], 0)
   end
   local by_sched = {}  -- taken requests by sched entry (no id in it: many share one)
-  for _, e in ipairs(taken) do
-    local g = by_sched[e.sched]
+  local m = #members
+  for i, id in ipairs(taken_ids) do
+    local raw = taken_scheds[i]
+    local g = by_sched[raw]
     if not g then
-      local s = parse_sched(e.sched)
+      local s = parse_sched(raw)
       g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
-      by_sched[e.sched] = g
+      by_sched[raw] = g
     end
-    members[#members + 1] = g.head .. e.id
+    members[m + i] = g.head .. id
     g.n = g.n + 1
-    if e.served then g.served = g.served + 1 end
+    if i > n_unserved then g.served = g.served + 1 end
   end
   for _, g in pairs(by_sched) do
     local s, tokens = g.s, g.served * g.s.tokens
@@ -344,7 +361,7 @@ if fair and #ids == 0 then  -- nothing live within reach: the global lookahead s
   ids = pending_ids(0, window)
 end
 if #ids == 0 then
-  fair_settle({}, stale, {})
+  fair_settle({}, {}, 0, stale, {})
   -- all above the ceiling (another shard's head came first since it was read): ask again
   if ceiling and #rcall('ZRANGE', K.pending, 0, 0) > 0 then return {now, 1, 0} end  -- (no ZCARD: the worker's ACL)
   if refill_ms then return {now, refill_ms, 0} end  -- all that is pending is over its rate
@@ -368,7 +385,7 @@ local function sched_fields(raw)
   local f = fields_of[raw]
   if not f then
     local mark, tokens, expire, enq_rank = string.match(raw, '^(~?)(%d+):(%d+):(%d+:[^:]+):')
-    f = {mark, tokens, expire, enq_rank, mark == '~' and string.match(raw, '^~%d+(:.*)$')}
+    f = {mark, tokens, expire, enq_rank, mark == '~' and string.match(raw, '^~%d+(:.*)$'), {}}
     fields_of[raw] = f
   end
   return f
@@ -377,11 +394,13 @@ local function scan(first)
   for i = first, #ids do
     local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
     if scheds[i] then
-      local f = sched_fields(scheds[i])
+      local f = fields_of[scheds[i]] or sched_fields(scheds[i])
       mark, tokens, expire, enq_rank = f[1], f[2], f[3], f[4]
       if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
         mark, tokens = '', counted[id]
-        scheds[i] = tokens .. f[5]
+        local exact = f[6][tokens]  -- the entry with this count, built once per count
+        if not exact then exact = tokens .. f[5]; f[6][tokens] = exact end
+        scheds[i] = exact
       end
     end
     if not tokens then
@@ -422,7 +441,7 @@ if not settled and #ids == window and window < lookahead then
 end
 if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
 if price_estimates and #estimated > 0 then
-  write_counts({})
+  write_counts()
   local reply = {now, -2, 0}
   for _, id in ipairs(estimated) do reply[#reply + 1] = id end
   local payloads = rcall('HMGET', K.requests, unpack(estimated))
@@ -445,7 +464,9 @@ if #live > 0 then
   for j = 2, #live do
     local slower = delays[j] > delays[1]
     if fill_from_slower or not slower then
-      local key = (slower and later or 0) + math.abs(lengths[j] - head) * stride + j
+      local gap = lengths[j] - head
+      if gap < 0 then gap = -gap end
+      local key = (slower and later or 0) + gap * stride + j
       sorted = sorted and (#order == 0 or key > order[#order])
       order[#order + 1] = key
     else
@@ -456,7 +477,7 @@ if #live > 0 then
   for _, key in ipairs(order) do
     if #chosen >= max_size then break end
     local j = (key % later) % stride
-    local widest = math.max(longest, lengths[j])
+    local widest = lengths[j] > longest and lengths[j] or longest
     if widest * (#chosen + 1) <= max_tokens then
       chosen[#chosen + 1] = j
       longest = widest
@@ -477,30 +498,28 @@ end
 local take = {}
 for _, i in ipairs(expired) do take[#take + 1] = i end
 for _, i in ipairs(batch) do take[#take + 1] = i end
-local taken = {}
-for _, i in ipairs(take) do taken[ids[i]] = true end
-write_counts(taken)
+if #counted_ids > 0 then
+  for _, i in ipairs(take) do counted[ids[i]] = nil end  -- taken: counted again by its worker
+  write_counts()
+end
 if #take == 0 then
-  fair_settle({}, stale, {})
+  fair_settle({}, {}, 0, stale, {})
   if wait == 0 and refill_ms then wait = refill_ms end  -- what is left is over its rate
   return {now, wait, 0}
 end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
-local out_ids, out_scheds, zargs, oargs, counts, settled_ids = {}, {}, {}, {}, {}, {}
-local expired_ids, batch_ids = {}, {}
+local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
+local expired_ids, batch_ids, n_expired = {}, {}, #expired
 for n, i in ipairs(take) do
   local id = ids[i]
   out_ids[n], out_scheds[n] = id, scheds[i]
-  settled_ids[n] = {id = id, sched = scheds[i], served = n > #expired}
-  if n <= #expired then expired_ids[n] = id else batch_ids[#batch_ids + 1] = id end
-  zargs[#zargs + 1] = expiry
-  zargs[#zargs + 1] = id
-  oargs[#oargs + 1] = id
-  oargs[#oargs + 1] = token
+  if n <= n_expired then expired_ids[n] = id else batch_ids[n - n_expired] = id end
+  zargs[2 * n - 1], zargs[2 * n] = expiry, id
+  oargs[2 * n - 1], oargs[2 * n] = id, token
 end
-fair_settle(settled_ids, stale, counts)
+fair_settle(out_ids, out_scheds, n_expired, stale, counts)
 call_chunked('ZREM', K.pending, out_ids)
 -- none leased: the lease keys start again, in their wide encodings (ZRANGE: the worker's
 -- ACL has no ZCARD)

@@ -20,8 +20,10 @@
 -- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
 -- ARGV[7] the shard count the caller routed by (QueueSettings.shards as it read them)
--- ARGV[8..] groups of 6: id, priority (class name or integer seconds), tokens ("~N": an estimate),
---           deadline in ms from now (0 = none), tenant, request JSON
+-- ARGV[8..] runs of requests that share a priority (class name or integer seconds), a
+--           deadline in ms from now (0 = none) and a tenant: those three, the run's
+--           count k, then k triples: id, tokens ("~N": an estimate), request JSON
+--           (batching/calls.py enqueue_call: one run for a Client.map call's requests)
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
 --         repeated within the call is accepted once, with its first payload);
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
@@ -35,7 +37,6 @@
 -- Idempotent: a call that accepted ids remembers its reply under K.call for 60 s; the
 -- same call again (the connection retried after a lost reply) gets that reply back, its
 -- ids accepted (1), not "already known".
-local GROUP = 6  -- ARGV values per request
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]
@@ -93,27 +94,33 @@ local function over_high_water(incoming, now)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
-local n = (#ARGV - 7) / GROUP
+-- The runs: {priority, deadline, tenant, ARGV index of its first id, count}; ids in order.
+local runs, ids, n, n_args = {}, {}, 0, #ARGV
+do
+  local a = 8
+  while a <= n_args do
+    local k = tonumber(ARGV[a + 3])
+    runs[#runs + 1] = {ARGV[a], ARGV[a + 1], ARGV[a + 2], a + 4, k}
+    a = a + 4
+    for j = 1, k do ids[n + j] = ARGV[a + 3 * j - 3] end
+    n, a = n + k, a + 3 * k
+  end
+end
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
 -- longer blocks its id: its leftovers are dropped and the id runs afresh.
 -- Two reads for the whole call, not two per request: how many have a result (none, on a
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
-local ids, result_keys = {}, {}
 -- the result keys are KEYS[FIXED+1..] in ARGV's order (batching/calls.py enqueue_call): taken
 -- as declared, not built again per request; the count and the ends checked
-for i = 1, n do
-  ids[i] = ARGV[7 + (i - 1) * GROUP + 1]
-  result_keys[i] = KEYS[FIXED + i]
-end
-if #KEYS ~= FIXED + n or (n > 0 and (result_keys[1] ~= result_prefix .. ids[1]
-                                  or result_keys[n] ~= result_prefix .. ids[n])) then
+if #KEYS ~= FIXED + n or (n > 0 and (KEYS[FIXED + 1] ~= result_prefix .. ids[1]
+                                  or KEYS[FIXED + n] ~= result_prefix .. ids[n])) then
   error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
 end
-local some_results = n > 0 and count_existing(result_keys) > 0
+local some_results = n > 0 and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
 local held = n > 0 and hmget_chunked(K.requests, ids) or {}
 local function known(i, id)
-  if seen[id] or (some_results and rcall('EXISTS', result_keys[i]) == 1) then return true end
+  if seen[id] or (some_results and rcall('EXISTS', KEYS[FIXED + i]) == 1) then return true end
   if not held[i] then return false end
   if rcall('ZSCORE', K.dead, id) then
     stale[#stale + 1] = id
@@ -122,21 +129,29 @@ local function known(i, id)
   return true
 end
 local by_tenant, first_of = {}, {}  -- fresh requests per tenant; its first index
-for i = 1, n do
-  local base = 7 + (i - 1) * GROUP
-  local id, priority, payload = ARGV[base + 1], ARGV[base + 2], ARGV[base + 6]
-  if known(i, id) then
-    status[i] = 0  -- known already, or earlier in this call: the first one stands
-  else
-    seen[id] = true
-    if #payload > max_bytes then return {0, 'too_large', i, max_bytes} end
-    if not delay_of(priority) then return {0, 'priority', i, priority} end
-    status[i] = 1
-    fresh = fresh + 1
-    local tenant = ARGV[base + 5]
-    by_tenant[tenant] = (by_tenant[tenant] or 0) + 1
-    first_of[tenant] = first_of[tenant] or i
-    incoming = incoming + #payload + #id + REQUEST_OVERHEAD
+local i = 0
+for _, run in ipairs(runs) do
+  local priority, tenant, a = run[1], run[3], run[4]
+  local valid, run_fresh = delay_of(priority), 0
+  for _ = 1, run[5] do
+    i = i + 1
+    local id, payload = ARGV[a], ARGV[a + 2]
+    if (seen[id] or some_results or held[i]) and known(i, id) then  -- (a call only then)
+      status[i] = 0  -- known already, or earlier in this call: the first one stands
+    else
+      seen[id] = true
+      if #payload > max_bytes then return {0, 'too_large', i, max_bytes} end
+      if not valid then return {0, 'priority', i, priority} end
+      status[i] = 1
+      run_fresh = run_fresh + 1
+      first_of[tenant] = first_of[tenant] or i
+      incoming = incoming + #payload + #id + REQUEST_OVERHEAD
+    end
+    a = a + 3
+  end
+  if run_fresh > 0 then
+    fresh = fresh + run_fresh
+    by_tenant[tenant] = (by_tenant[tenant] or 0) + run_fresh
   end
 end
 local queued = fresh > 0 and rcall('ZCARD', K.pending) or 0
@@ -187,18 +202,23 @@ local function group_of(priority, tenant)
   return g
 end
 local zargs, hargs, sargs, fargs, counts, m = {}, {}, {}, {}, {}, 0
-for i = 1, n do
-  if status[i] == 1 then
-    local base = 7 + (i - 1) * GROUP
-    local id, g = ARGV[base + 1], group_of(ARGV[base + 2], ARGV[base + 5])
-    local deadline = ARGV[base + 4]
-    local expire = deadline ~= '0' and tonumber(deadline) > 0 and fmt_int(now + tonumber(deadline)) or '0'
-    g.n = g.n + 1
-    zargs[m + 1], zargs[m + 2] = g.w.rank, id
-    hargs[m + 1], hargs[m + 2] = id, ARGV[base + 6]
-    sargs[m + 1], sargs[m + 2] = id, ARGV[base + 3] .. ':' .. expire .. g.sched_tail
-    fargs[m + 1], fargs[m + 2] = '0', g.member_head .. id
-    m = m + 2
+i = 0
+for _, run in ipairs(runs) do
+  local g, deadline, a = group_of(run[1], run[3]), run[2], run[4]
+  local expire = deadline ~= '0' and tonumber(deadline) > 0 and fmt_int(now + tonumber(deadline)) or '0'
+  local rank, tail, head = g.w.rank, ':' .. expire .. g.sched_tail, g.member_head
+  for _ = 1, run[5] do
+    i = i + 1
+    if status[i] == 1 then
+      local id = ARGV[a]
+      zargs[m + 1], zargs[m + 2] = rank, id
+      hargs[m + 1], hargs[m + 2] = id, ARGV[a + 2]
+      sargs[m + 1], sargs[m + 2] = id, ARGV[a + 1] .. tail
+      fargs[m + 1], fargs[m + 2] = '0', head .. id
+      m = m + 2
+      g.n = g.n + 1
+    end
+    a = a + 3
   end
 end
 local joined = {}
