@@ -10,6 +10,13 @@ little) or with AsyncClient.submit in this process. Then time to first token, on
 at a time: /v1/completions with stream: true (the first data event with text) against
 AsyncHandle.stream() (the first text event).
 
+The rows at 64: closed (each caller sends again as soon as its answer is back: the model
+saturated, so a caller's latency is 64 / throughput) and paced (Poisson arrivals at
+PACED_LOAD of the direct path's throughput, on the first of 64 callers free: the latency
+of a pool with room). Each row runs in ROUNDS rounds alternating the two paths; "median
+added" is the median over the rounds of each round's gateway median less its direct one,
+with a bootstrap interval over the rounds (the machine's drift moves whole rounds).
+
 By default the workers run on cores of their own (the upper half of this process's CPUs)
 and the gateway, Redis and the load generator on the rest: as deployed, the model runs on
 its accelerator and `batchery serve` is a Deployment of its own, so the gateway's CPU is
@@ -42,11 +49,13 @@ CONCURRENCY = (64, 1)
 # neither path is saturated and the latency added is the gateway's, not the model's backlog
 PACED_LOAD = 0.5
 PACED_SEED = 7  # one Poisson schedule of arrivals, the same for both paths
-ROUNDS = 3        # each row's requests in this many turns, alternating the two paths
+ROUNDS = 8        # each row's requests in this many turns, alternating the two paths
+BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median added
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 COLUMNS = [("path", "path", ""), ("concurrency", "at once", "d"),
            ("offered", "arrivals/s (paced)", ".0f"), ("requests", "requests", ",d"),
            ("rps", "requests/s", ",.0f"), ("p50_ms", "p50 ms", ".2f"), ("p99_ms", "p99 ms", ".2f"),
+           ("added_ms", "median added ms (rounds)", "+.2f"), ("added_interval", "90% interval", ""),
            ("batch", "mean batch", ".1f"), ("gateway_us", "gateway CPU us/request", ".0f")]
 TTFT_COLUMNS = [("path", "path", ""), ("requests", "requests", "d"), ("p50_ms", "p50 ms", ".2f"),
                 ("p90_ms", "p90 ms", ".2f")]
@@ -136,6 +145,15 @@ async def paced(call: Callable[[int], Awaitable[None]], n: int, concurrency: int
     return time.perf_counter() - started, latencies
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """The 90% bootstrap interval of the median of ``values`` (one per round: the rounds,
+    not the requests, are the independent samples of a closed loop)."""
+    rng = random.Random(PACED_SEED)
+    medians = sorted(common.percentile(rng.choices(values, k=len(values)), 0.5)
+                     for _ in range(BOOTSTRAP))
+    return medians[int(0.05 * BOOTSTRAP)], medians[int(0.95 * BOOTSTRAP)]
+
+
 def row(path: str, concurrency: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
     return {"path": path, "concurrency": concurrency, "requests": len(latencies),
             "rps": len(latencies) / seconds, "p50_ms": 1000 * common.percentile(latencies, 0.5),
@@ -173,6 +191,7 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
             paths = (("gateway /v1/embeddings", through_gateway), ("AsyncClient.submit", direct))
             # seconds, latencies, gateway CPU, requests and batches the worker ran
             spent = {p: [0.0, [], 0.0, 0, 0] for p, _ in paths}
+            added = []  # each round's median through the gateway less the direct one's
             for _ in range(ROUNDS):  # alternated, so that the machine's load drifts on both
                 for c in connections:
                     c.close()
@@ -188,12 +207,18 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
                                               after.get("ok", 0) - before.get("ok", 0),
                                               after.get("batches", 0) - before.get("batches", 0))):
                         spent[path][i] += more
+                    if call is direct:
+                        added.append(common.percentile(spent[paths[0][0]][1][-len(latencies):], 0.5)
+                                     - common.percentile(latencies, 0.5))
             for path, call in paths:
                 seconds, latencies, cpu, ran, batches = spent[path]
                 rows.append({**row(path, concurrency, seconds, latencies), "offered": rate,
                              "batch": ran / max(1, batches)})
                 if call is through_gateway:  # the gateway process's CPU per request
                     rows[-1]["gateway_us"] = 1e6 * cpu / len(latencies)
+                    rows[-1]["added_ms"] = 1000 * common.percentile(added, 0.5)
+                    rows[-1]["added_interval"] = "{:+.1f} to {:+.1f}".format(
+                        *(1000 * x for x in median_interval(added)))
             for c in connections:
                 c.close()
     stats.close()
@@ -281,12 +306,15 @@ def _summary(rows: list[dict[str, Any]], ttft: list[dict[str, Any]]) -> dict[str
            "added_p50_ms_1": g1["p50_ms"] - d1["p50_ms"],
            "ttft_added_p50_ms": ttft[0]["p50_ms"] - ttft[1]["p50_ms"]}
     out["gateway_us_64"] = g64["gateway_us"]
+    out["added_64_rounds"], out["added_paced_rounds"] = g64["added_ms"], gp["added_ms"]
     out["text"] = (f"At 64: gateway/direct throughput {out['throughput_ratio_64']:.2f}x, median "
-                   f"added {out['added_p50_ms_64']:+.2f} ms, gateway CPU "
-                   f"{out['gateway_us_64']:.0f} us/request; 64 callers paced at "
+                   f"added {out['added_p50_ms_64']:+.2f} ms (the rounds' median "
+                   f"{g64['added_ms']:+.2f} ms, 90% interval {g64['added_interval']}), gateway "
+                   f"CPU {out['gateway_us_64']:.0f} us/request; 64 callers paced at "
                    f"{out['paced_rate']:.0f} arrivals/s ({PACED_LOAD:.0%} of the direct "
-                   f"path's throughput): median added {out['added_p50_ms_paced']:+.2f} ms; "
-                   f"one at a time: median added "
+                   f"path's throughput): median added {out['added_p50_ms_paced']:+.2f} ms (the "
+                   f"rounds' median {gp['added_ms']:+.2f} ms, 90% interval "
+                   f"{gp['added_interval']}); one at a time: median added "
                    f"{out['added_p50_ms_1']:+.2f} ms; time to first token added "
                    f"{out['ttft_added_p50_ms']:+.2f} ms (medians).")
     return out
