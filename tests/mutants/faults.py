@@ -62,7 +62,7 @@ FAULTS: tuple[Fault, ...] = (
           "  if not full and waited < max_wait then", "  if false then",
           (SCRIPTS + "test_a_partial_batch_waits_for_company_up_to_max_wait",)),
     Fault("enqueue not idempotent by id", "batching/lua/enqueue.lua",
-          "  if known(i, id) then", "  if seen[id] then",
+          "    if (seen[id] or some_results or held[i]) and known(i, id) then", "    if seen[id] then",
           (SCRIPTS + "test_enqueue_is_idempotent_by_id_and_counts_depth",)),
     Fault("max_pending not enforced", "batching/lua/enqueue.lua",
           "+ rcall('ZCARD', K.delayed) + fresh > max_pending then",
