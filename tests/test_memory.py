@@ -104,7 +104,9 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
     try:
         with Client(small_redis.url, queue_name) as client:
             wait_for(lambda: queue.stats()["workers"] == 1, 60, message="the worker is up")
-            handles = [client.enqueue(i) for i in range(8)]
+            # one call, so one batch: eight enqueues one at a time can be claimed as two
+            # (the running batch and the one claimed ahead), two commits refused
+            handles = client.enqueue_many([{"input": i} for i in range(8)])
             wait_for(lambda: raw.hlen(queue.keys.owner) == 8, 30, message="the batch is leased")
             out_of_memory(raw)  # the batch runs for 1.5 s; its commit meets a full Redis
             results = [h.result(timeout=20) for h in handles]
@@ -113,7 +115,7 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
         assert "OutOfMemoryError" in results[0].error["message"]
         assert raw.hlen(queue.keys.owner) == 0 and raw.zcard(queue.keys.leased) == 0
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert f'batchery_redis_errors_total{{operation="commit",queue="{queue_name}"}} 1.0' in metrics
+        assert f'batchery_redis_errors_total{{operation="commit",queue="{queue_name}"}} 1.0' in metrics, [l for l in metrics.splitlines() if "redis_errors" in l]
         assert worker.poll() is None
     finally:
         stop_process(worker)
