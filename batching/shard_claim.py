@@ -121,3 +121,8 @@ class ShardClaims(ShardLayout):
         if self._wake is None:
             self._wake = WakeWatch()
         self._wake.wait(shards, timeout_s)
+
+    def stop_waking(self) -> None:
+        """End the Cluster wake-up watchers (before the client closes: they read with it)."""
+        if self._wake is not None:
+            self._wake.close()

@@ -49,7 +49,8 @@ class WakeWatch:
             self.woken.clear()
 
     def close(self) -> None:
-        """Stop watching: the threads leave within WATCH_BLOCK_S."""
+        """Stop watching: the threads leave within WATCH_BLOCK_S, quietly even if the
+        client they read with is closed meanwhile."""
         self._watched = frozenset()
 
     def _watch(self, shard: RequestQueue) -> None:
@@ -63,5 +64,10 @@ class WakeWatch:
                     self.woken.set()
                 else:  # its worker is busy again: the token is another idle worker's
                     shard.wake_again()
-            except (redis.RedisError, RedisClusterException):  # a node down or failing
-                time.sleep(WATCH_BLOCK_S)  # over (or every node): the claim reports it
+            except Exception as exc:
+                if shard.keys.wake not in self._watched:
+                    return  # closed while it read: its client may be closed under it
+                if not isinstance(exc, (redis.RedisError, RedisClusterException)):
+                    raise
+                # a node down or failing over (or every node): the claim reports it
+                time.sleep(WATCH_BLOCK_S)

@@ -401,8 +401,8 @@ def test_idle_worker_wakes_for_any_shard(cluster: list[RedisServer], queue_name:
     shard = queue.shard("late")  # its worker is busy: the token goes back to the list
     queue.enqueue([Request(id="late", input=0)])
     wait_for(lambda: conn.llen(shard.keys.wake) >= 1, 10, 0.05, "the token put back")
-    queue._wake.close()
-    conn.close()
+    queue.stop_waking()
+    conn.close()  # a watcher still reading with it leaves quietly (no thread exception)
 
 
 def _timed(call: object, *args: object) -> float:

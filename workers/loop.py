@@ -49,6 +49,7 @@ class Worker:
         """Serve the queue until stopped (or, with ``burst``, until it is drained)."""
         client = self.redis_settings.client()
         metrics.bind(self.options.queue)
+        queue_ = None
         try:
             queue_ = open_queue(client, self.options.queue)
             self._announce(queue_)
@@ -60,6 +61,8 @@ class Worker:
                 if restore:
                     restore()
         finally:
+            if queue_ is not None:
+                queue_.stop_waking()
             client.close()
         return 0
 
