@@ -31,8 +31,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rq import Worker
 
@@ -108,35 +109,45 @@ def jobs_run(url: str, folder: Path, label: str, big: int, small: int, fair: boo
     return row
 
 
-def shares_run(url: str, seconds: float, fair: bool, shards: int = 1) -> dict[str, Any]:
-    """Three weighted tenants kept backlogged for ``seconds``: tokens served per window;
-    realtime requests beside them: their latency."""
-    queue = f"shares-{time.monotonic_ns()}"
+@contextmanager
+def flooded(url: str, prefix: str, fair: bool, shards: int, latencies: list[float],
+            sent: list[tuple[float, float]] | None = None) -> Iterator[Client]:
+    """A new queue (fair share on or off) with one worker, the three weighted tenants kept
+    backlogged and the realtime probe beside them (its latencies, and in ``sent`` with
+    their send times) until the block ends: its Client."""
+    queue = f"{prefix}-{time.monotonic_ns()}"
     stop = threading.Event()
-    windows: list[dict[str, float]] = []
-    latencies: list[float] = []
-    worker = None
+    worker, threads = None, []
     try:
         with Client(url, queue) as client:
             client.queue.update_settings(fair_share=fair, tenant_weights=WEIGHTS, shards=shards)
             worker = common.batchery_worker(url, queue, *RUNNER)
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
             threads = [threading.Thread(target=feed, args=(client, stop, BACKLOG * shards)),
-                       threading.Thread(target=probe, args=(url, queue, stop, latencies))]
+                       threading.Thread(target=probe, args=(url, queue, stop, latencies, sent))]
             for thread in threads:
                 thread.start()
-            last = served(client)
-            for _ in range(int(seconds // WINDOW_S)):
-                time.sleep(WINDOW_S)
-                now = served(client)
-                windows.append({t: now[t] - last[t] for t in WEIGHTS})
-                last = now
+            yield client
             stop.set()
             for thread in threads:
                 thread.join()
     finally:
         stop.set()
         common.stop([worker] if worker else [])
+
+
+def shares_run(url: str, seconds: float, fair: bool, shards: int = 1) -> dict[str, Any]:
+    """Three weighted tenants kept backlogged for ``seconds``: tokens served per window;
+    realtime requests beside them: their latency."""
+    windows: list[dict[str, float]] = []
+    latencies: list[float] = []
+    with flooded(url, "shares", fair, shards, latencies) as client:
+        last = served(client)
+        for _ in range(int(seconds // WINDOW_S)):
+            time.sleep(WINDOW_S)
+            now = served(client)
+            windows.append({t: now[t] - last[t] for t in WEIGHTS})
+            last = now
     shares = [{t: 100 * w[t] / max(1, sum(w.values())) for t in WEIGHTS} for w in windows]
     want = {t: 100 * w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
     worst = max(abs(s[t] - want[t]) for s in shares for t in WEIGHTS) if shares else float("nan")
@@ -155,32 +166,15 @@ def realtime_run(url: str, segments: int, shards: int = 1) -> list[dict[str, Any
     both alike); the probes of each segment's first SETTLE_S, and any that straddle a
     switch, left out. One row per scenario: the probes pooled, and the p99 ratio's
     bootstrap interval."""
-    queue = f"realtime-{time.monotonic_ns()}"
-    stop = threading.Event()
     probes: list[tuple[float, float]] = []  # (sent at, latency), monotonic seconds
     spans: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    worker = None
-    try:
-        with Client(url, queue) as client:
-            client.queue.update_settings(fair_share=False, tenant_weights=WEIGHTS, shards=shards)
-            worker = common.batchery_worker(url, queue, *RUNNER)
-            common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
-            threads = [threading.Thread(target=feed, args=(client, stop, BACKLOG * shards)),
-                       threading.Thread(target=probe, args=(url, queue, stop, [], probes))]
-            for thread in threads:
-                thread.start()
-            for k in range(segments):
-                fair = k % 4 in (1, 2)
-                client.queue.update_settings(fair_share=fair)
-                started = time.monotonic()
-                time.sleep(SEGMENT_S)
-                spans[fair].append((started + SETTLE_S, time.monotonic()))
-            stop.set()
-            for thread in threads:
-                thread.join()
-    finally:
-        stop.set()
-        common.stop([worker] if worker else [])
+    with flooded(url, "realtime", False, shards, [], probes) as client:
+        for k in range(segments):
+            fair = k % 4 in (1, 2)
+            client.queue.update_settings(fair_share=fair)
+            started = time.monotonic()
+            time.sleep(SEGMENT_S)
+            spans[fair].append((started + SETTLE_S, time.monotonic()))
     pooled = {fair: [lat for sent, lat in probes
                      if any(a <= sent and sent + lat <= b for a, b in spans[fair])]
               for fair in spans}
