@@ -216,5 +216,13 @@ def machine() -> str:
     return f"{CORES}-core {platform.machine()} {platform.system()}, Python {platform.python_version()}"
 
 
+def accelerator(device: Any) -> str:
+    """What a torch device is, for a table's title: the GPU's name, or CPU."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return "CPU"
+    import torch
+    return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)

@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             model_dir = build_model(Path(folder))
             procs.append(worker("embed", "--task", "embed", "--model", "minilm"))
-            procs.append(worker("generate", *worker_args(model_dir, common.free_port())))
+            # on the worker's default device, as the embed worker (a GPU where there is one)
+            procs.append(worker("generate", *worker_args(model_dir, common.free_port(), "auto")))
             with Client(url, "embed") as embed, Client(url, "generate") as generate:
                 common.wait_until(lambda: embed.queue.stats()["workers"] >= 1
                                   and generate.queue.stats()["workers"] >= 1, 180, "the workers")

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GenerationC
 
 from batchery import Client  # noqa: E402
 from batchery.workers.runners import load_runner  # noqa: E402
-from batchery.workers.runners.hf import resolve_model  # noqa: E402
+from batchery.workers.runners.hf import pick_device, resolve_model  # noqa: E402
 from bench import common  # noqa: E402
 from bench.corpus import paragraphs  # noqa: E402
 
@@ -51,6 +51,8 @@ BATCH = 32                 # static batch size (batchery's default sequences in 
 REALTIME_EVERY_S = 0.25
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}  # every system's, unless --greedy
 MODEL = dict(n_embd=256, n_layer=4, n_head=4, n_positions=512)  # ~10M parameters besides embeddings
+# where every contender runs: "cpu" (the figures in the docs), or from --device (main)
+DEVICE = "cpu"
 
 
 def build_model(folder: Path) -> Path:
@@ -77,7 +79,7 @@ def summary(name: str, latencies: list[float], tokens: int, seconds: float) -> d
 
 
 def static(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    runner = load_runner("generate", str(model_dir), None, "cpu")
+    runner = load_runner("generate", str(model_dir), None, DEVICE)
     run_static(runner, requests[:BATCH])  # warm-up
     latencies, tokens, started = [], 0, time.perf_counter()
     for i in range(0, len(requests), BATCH):
@@ -100,7 +102,7 @@ def run_static(runner: Any, batch: list[dict[str, Any]]) -> int:
 
 
 def transformers_cb(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    runner = load_runner("generate", str(model_dir), None, "cpu")
+    runner = load_runner("generate", str(model_dir), None, DEVICE)
     model, tokenizer = runner._model, runner._tokenizer
     ids = [runner.sequence(None, r).prompt_ids for r in requests]
     sampling = {"do_sample": True, "temperature": requests[0]["temperature"],
@@ -127,9 +129,10 @@ def transformers_cb(model_dir: Path, requests: list[dict[str, Any]]) -> dict[str
                    seconds)
 
 
-def worker_args(model_dir: Path, port: int) -> tuple[str, ...]:
-    """No tuning flags: the worker's own defaults for --task generate."""
-    return ("--task", "generate", "--model", str(model_dir), "--device", "cpu",
+def worker_args(model_dir: Path, port: int, device: str | None = None) -> tuple[str, ...]:
+    """No tuning flags: the worker's own defaults for --task generate, on ``device``
+    (default: the bench's DEVICE)."""
+    return ("--task", "generate", "--model", str(model_dir), "--device", device or DEVICE,
             "--metrics-port", str(port))
 
 
@@ -190,12 +193,14 @@ def step_phases(port: int) -> dict[str, float]:
 
 def prefill_ms(model_dir: Path, prompts: list[str]) -> float:
     """Median time of one realtime prompt's prefill, alone, in-process."""
-    runner = load_runner("generate", str(model_dir), None, "cpu")
+    runner = load_runner("generate", str(model_dir), None, DEVICE)
     times = []
     for prompt in prompts:
         seq = runner.sequence(None, {"prompt": prompt, "max_new_tokens": 8})
         started = time.perf_counter()
         runner.new_batch().add([seq])
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     return 1000 * common.percentile(times, 0.5)
 
@@ -269,7 +274,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every contender "
                    "(default 1: on a shared VM, each operation on 2 threads waits for a "
                    "descheduled sibling; see bench.contention)")
+    p.add_argument("--device", default="cpu", help="where every contender runs: cpu (default), "
+                   "cuda, auto (a GPU when there is one)")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = str(pick_device(args.device))
     torch.set_num_threads(args.threads)
     n = 100 if args.quick else 500
     sampling = None if args.greedy else SAMPLING
@@ -303,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"against a prefill + 2 decode steps ~ {bound:.0f} ms: "
               f"{'met' if ttft['after_claim_p99_ms'] <= bound else 'MISSED'}"]
     mode = "greedy" if args.greedy else f"sampling {SAMPLING}"
-    print(f"\n## Generation, {mode} ({common.machine()})\n\n{text}\n\n" + "\n".join(checks) + "\n")
+    where = f"{common.machine()}, {common.accelerator(torch.device(DEVICE))}"
+    print(f"\n## Generation, {mode} ({where})\n\n{text}\n\n" + "\n".join(checks) + "\n")
     common.save("generate", {"machine": common.machine(), "runs": rows, "ttft": ttft,
                              "targets": checks})
     return {"table": text, "targets": checks}

@@ -40,11 +40,11 @@ RQ_WORKERS = 2                  # one job at a time each: two 1-thread processes
 LOOKAHEAD = 4096                # (d) claims see the whole queue, as (a)'s sort does (default 1024)
 
 
-def load_model(threads: int) -> Any:
+def load_model(threads: int, device: str = "cpu") -> Any:
     import torch
     from batchery.workers.runners import load_runner
     torch.set_num_threads(threads)
-    runner = load_runner("embed", "minilm", None, "cpu")
+    runner = load_runner("embed", "minilm", None, device)
     runner.warmup()
     return runner
 
@@ -54,6 +54,7 @@ def measure(label: str, run: Callable[[], tuple[int, int, int, int]]) -> dict[st
     started = time.perf_counter()
     n, batches, tokens, padded = run()
     seconds = time.perf_counter() - started
+    common.log(f"  {label}: {n / seconds:,.0f} requests/s")
     return {"system": label, "requests": n, "seconds": seconds, "rps": n / seconds,
             "padding": tokens / padded if padded else 1.0, "batch": n / max(1, batches)}
 

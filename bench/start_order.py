@@ -12,8 +12,12 @@ mixed lengths, some past the 256 tokens MiniLM keeps), not the stdlib docstrings
 (ii) cold: every request enqueued first by a producer without transformers, then the
     same worker started; timed from its registration (model loaded) to the last result
 
-``python -m bench.start_order [--quick] [-n N] [--repeat R]``: a table with each row's
-ratio to (a) and the targets; bench/out/start_order.json.
+On a machine with a GPU, ``--device auto`` (the default) runs (a) there, in the worker's
+default dtype (float16), and the worker, started with no flags, picks it too; its sweep
+then goes up to batches of 512. ``--device cpu`` keeps both on the CPU.
+
+``python -m bench.start_order [--quick] [-n N] [--repeat R] [--device D]``: a table with
+each row's ratio to (a) and the targets; bench/out/start_order.json.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from bench.corpus import passages  # noqa: E402
 from bench.model import COLUMNS, best, check, load_model, measure, sorted_loop, sweep  # noqa: E402
 
 SWEEP = (8, 16, 32, 64)
+GPU_SWEEP = (32, 64, 128, 256, 512)
 WORKER = ("--task", "embed", "--model", "minilm")  # and nothing else: the defaults
 
 
@@ -60,9 +65,11 @@ def produce(url: str, queue: str, n: int, mode: str) -> None:
 class Worker:
     """One ``batchery worker`` with no tuning flags, its metrics on a free port."""
 
-    def __init__(self, url: str, queue: str) -> None:
+    def __init__(self, url: str, queue: str, device: str) -> None:
         self.port = common.free_port()
-        self.proc = common.batchery_worker(url, queue, *WORKER, "--metrics-port", str(self.port))
+        pinned = () if device == "auto" else ("--device", device)
+        self.proc = common.batchery_worker(url, queue, *WORKER, *pinned,
+                                           "--metrics-port", str(self.port))
 
     def batch_size(self) -> int:
         return int(common.metrics(self.port)["batchery_max_batch_size"])
@@ -80,9 +87,9 @@ def row(label: str, n: int, seconds: float, t: dict[str, int], size: int) -> dic
             "padding": t["tokens"] / t["padded_tokens"], "batch": n / t["batches"], "size": size}
 
 
-def warm(url: str, texts: list[str], exact: bool) -> dict[str, Any]:
+def warm(url: str, texts: list[str], exact: bool, device: str) -> dict[str, Any]:
     queue = f"warm-{int(exact)}-{time.monotonic_ns()}"
-    worker = Worker(url, queue)
+    worker = Worker(url, queue, device)
     try:
         with Client(url, queue) as client:
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 300, "the worker")
@@ -102,13 +109,13 @@ def warm(url: str, texts: list[str], exact: bool) -> dict[str, Any]:
         worker.stop()
 
 
-def cold(url: str, texts: list[str]) -> dict[str, Any]:
+def cold(url: str, texts: list[str], device: str) -> dict[str, Any]:
     queue = f"cold-{time.monotonic_ns()}"
     with Client(url, queue) as client:
         child = producer(url, queue, len(texts), "enqueue")
         child.communicate()
         assert client.queue.stats()["pending"] == len(texts), "not everything was enqueued"
-        worker = Worker(url, queue)
+        worker = Worker(url, queue, device)
         try:
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 300, "the worker")
             started = time.perf_counter()
@@ -133,21 +140,23 @@ def points(name: str, diff: float, most: float = 3.0) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, help="passages (default 2000; --quick 400)")
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda")
     args = p.parse_args(argv)
     n = args.n or (400 if args.quick else 2000)
     texts = passages(n)
     common.log(f"start order: MiniLM, {n} passages; loading the in-process model ...")
-    runner = load_model(common.CORES)
+    runner = load_model(common.CORES, args.device)
+    on_gpu = runner.device.type == "cuda"
     common.freeze()
-    common.log("(a) sweeping batch sizes over length-sorted batches ...")
-    limit = best(sweep("(a) in-process, sorted, batch {size}", list(SWEEP), args.repeat,
-                       lambda s: sorted_loop(runner, texts, s)))
+    common.log(f"(a) sweeping batch sizes over length-sorted batches on {runner.device} ...")
+    limit = best(sweep("(a) in-process, sorted, batch {size}", list(GPU_SWEEP if on_gpu else SWEEP),
+                       args.repeat, lambda s: sorted_loop(runner, texts, s)))
     rows: dict[str, list[dict[str, Any]]] = {}
     with common.private_redis() as url:
         for _ in range(args.repeat):
-            for key, run in (("i", lambda: warm(url, texts, exact=True)),
-                             ("i'", lambda: warm(url, texts, exact=False)),
-                             ("ii", lambda: cold(url, texts))):
+            for key, run in (("i", lambda: warm(url, texts, True, args.device)),
+                             ("i'", lambda: warm(url, texts, False, args.device)),
+                             ("ii", lambda: cold(url, texts, args.device))):
                 common.log(f"({key}) ...")
                 found = run()
                 rows.setdefault(key, []).append(found)
@@ -163,9 +172,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checks = [check(f"{key_of(r)} / (a)", r["ratio"], 0.95) for r in final.values()]
     checks += [points(f"{key_of(r)} padding efficiency against (a) at batch {r['size']}",
                       100 * (r["padding"] - same[r["size"]]["padding"])) for r in final.values()]
-    print(f"\n## Defaults and start order: MiniLM, {n} passages ({common.machine()}, CPU)\n\n"
+    where = common.accelerator(runner.device)
+    print(f"\n## Defaults and start order: MiniLM, {n} passages ({common.machine()}, {where})\n\n"
           f"{text}\n\n" + "\n".join(checks) + "\n")
-    common.save("start_order", {"machine": common.machine(), "requests": n, "limit": limit,
+    common.save("start_order", {"machine": common.machine(), "device": where, "requests": n, "limit": limit,
                                 "same_size": list(same.values()), "rows": final, "all": rows, "targets": checks})
     return {"rows": final, "table": text, "targets": checks}
 
