@@ -21,14 +21,24 @@ request of the costlier start order. The check: Redis CPU per request over all n
 flat (within 10%) from 1 master to the most, so that N nodes carry N times one node's
 load, and the busiest node within 10% of the quietest.
 
+``--instructions`` runs every node under valgrind's callgrind (it must be installed) and
+counts, instead of CPU time, the instructions each node executed per request: a count
+that the machine's load does not move. Here three redis-servers, the workers and the
+producer share 2 cores, so each command runs slower on 3 masters than on 1 (more
+switches, colder caches), which CPU time counts and the instructions do not. Valgrind
+slows Redis about 30 times: use a small -n (6,000 takes a few minutes).
+
 ``python -m bench.cluster_scale [--quick] [-n N] [--masters 1,2,3] [--shards N,...]
-[--workers W] [--max-batch-size B]``
+[--workers W] [--max-batch-size B] [--instructions]``
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,25 +61,85 @@ COLUMNS = [("masters", "masters", "d"), ("shards", "shards", "d"), ("order", "st
            ("batch", "mean batch", ".0f"),
            ("us_redis", "Redis us/req (all nodes)", ".1f"), ("per_node", "per node us/req", ""),
            ("us_client", "client us/req", ".1f"), ("us_worker", "workers us/req", ".1f")]
+INSTRUCTION_COLUMNS = [*COLUMNS[:3], ("requests", "requests", ",d"), ("batch", "mean batch", ".0f"),
+                       ("us_redis", "Redis k instructions/req (all nodes)", ".1f"),
+                       ("per_node", "per node k instructions/req", "")]
+
+
+class NodeCpu:
+    """What each node of a cluster spends over a run, per request: CPU microseconds
+    (/proc: commands, protocol, event loop and cluster bus together)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.pids = {port: common.redis_pid(f"redis://127.0.0.1:{port}/0") for port in ports}
+        self.before: dict[int, float] = {}
+
+    def start(self) -> None:
+        self.before = {port: common.cpu_seconds(pid) for port, pid in self.pids.items()}
+
+    def per_request(self, n: int) -> list[float]:
+        return [1e6 * (common.cpu_seconds(pid) - self.before[port]) / n
+                for port, pid in self.pids.items()]
+
+
+class NodeInstructions(NodeCpu):
+    """The same in thousands of instructions, from callgrind (nodes started by
+    private_cluster(..., callgrind=folder)): each node dumps its count at the start and
+    at the end of the run, and the second dump is the run's."""
+
+    def __init__(self, ports: list[int], folder: str) -> None:
+        super().__init__(ports)
+        self.folder = folder
+
+    def _dump(self, part: str) -> None:
+        for pid in self.pids.values():
+            subprocess.run([shutil.which("callgrind_control") or "callgrind_control",
+                            f"--dump={part}", str(pid)], check=True, capture_output=True)
+
+    def start(self) -> None:
+        self._dump("before")
+
+    def per_request(self, n: int) -> list[float]:
+        self._dump("run")
+        counts = []
+        for pid in self.pids.values():
+            total = 0
+            for path in glob.glob(os.path.join(self.folder, f"callgrind.{pid}.*")):
+                text = open(path, errors="replace").read()
+                found = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+                if found and re.search(r"^desc: Trigger: .*dump run$", text, re.M):
+                    total += int(found.group(1))
+                os.remove(path)  # counted, or a count before the run: not the next run's
+            counts.append(total / n / 1000)
+        return counts
 
 
 @contextlib.contextmanager
-def private_cluster(masters: int = MASTERS) -> Iterator[list[int]]:
+def private_cluster(masters: int = MASTERS, callgrind: str | None = None) -> Iterator[list[int]]:
     """A throwaway Redis Cluster of ``masters`` nodes (no replicas, no persistence) on free
-    ports; yields their ports once every slot is served."""
+    ports; yields their ports once every slot is served. ``callgrind``: a folder; each
+    node runs under valgrind's callgrind and writes its counts there (NodeInstructions)."""
     binary = find_redis_server()
+    if callgrind:
+        valgrind = shutil.which("valgrind")
+        if not valgrind or not shutil.which("callgrind_control"):
+            raise SystemExit("--instructions needs valgrind (with callgrind_control) on the PATH")
+        binary_argv = [valgrind, "--tool=callgrind",
+                       f"--callgrind-out-file={os.path.join(callgrind, 'callgrind.%p')}", binary]
+    else:
+        binary_argv = [binary]
     folder = tempfile.mkdtemp(prefix="batchery-cluster-")
     ports = [common.free_port() for _ in range(masters)]
     while max(ports) >= 55_000:  # each node's bus port is its port + 10,000
         ports = [common.free_port() for _ in range(masters)]
-    procs = [subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder,
+    procs = [subprocess.Popen([*binary_argv, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder,
                                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                                "--save", "", "--appendonly", "no"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]
     try:
         for port in ports:
             with redis.Redis(port=port) as node:
-                common.wait_until(lambda: common.pings(node), 15, "redis-server")
+                common.wait_until(lambda: common.pings(node), 60, "redis-server")
         form_cluster(ports)
         yield ports
     finally:
@@ -146,13 +216,13 @@ def registered(client: Client, procs: list[subprocess.Popen]) -> tuple[float, di
 
 
 def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int,
-        order: str) -> dict[str, Any]:
+        order: str, meter: NodeCpu | None = None) -> dict[str, Any]:
     url, queue = f"redis://127.0.0.1:{ports[0]}/0", f"scale{shards}-{time.monotonic_ns()}"
     configure(url, queue, shards)
     flags = ["--runner", "bench.runners:noop", "--cluster"]
     if max_batch_size:
         flags += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", "0"]
-    nodes = {port: common.redis_pid(f"redis://127.0.0.1:{port}/0") for port in ports}
+    meter = meter or NodeCpu(ports)
     child = common.without_transformers("from bench.cluster_scale import produce; "
                                         f"produce({url!r}, {queue!r}, {n}, {order!r})")
     procs: list[subprocess.Popen] = []
@@ -163,7 +233,7 @@ def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int
                 launched = time.perf_counter()
                 procs = [common.batchery_worker(url, queue, *flags) for _ in range(workers)]
                 first, _ = registered(client, procs)
-            redis_cpu = {port: common.cpu_seconds(pid) for port, pid in nodes.items()}
+            meter.start()
             worker_cpu = {p.pid: common.cpu_seconds(p.pid) for p in procs}
             child.stdin.write("go\n")
             child.stdin.flush()
@@ -176,7 +246,7 @@ def run(ports: list[int], shards: int, n: int, workers: int, max_batch_size: int
                 started = first
             report = json.loads(child.stdout.readline())
             seconds = time.perf_counter() - started
-            redis_us = [1e6 * (common.cpu_seconds(pid) - redis_cpu[port]) / n for port, pid in nodes.items()]
+            redis_us = meter.per_request(n)
             worker_us = 1e6 * sum(common.cpu_seconds(p.pid) - worker_cpu[p.pid] for p in procs) / n
             totals = client.queue.stats()["totals"]
     finally:
@@ -237,20 +307,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-batch-size", type=int, default=0,
                    help="worker flag (with --max-wait-ms 0); default: the worker's own defaults")
+    p.add_argument("--instructions", action="store_true",
+                   help="count each node's instructions (callgrind) instead of its CPU time")
     args = p.parse_args(argv)
     n = args.n or (20_000 if args.quick else 100_000)
     rows: list[dict[str, Any]] = []
     for masters in (int(m) for m in args.masters.split(",")):
         counts = [int(s) for s in args.shards.split(",")] if args.shards else [masters]
-        with private_cluster(masters) as ports:
+        with contextlib.ExitStack() as stack:
+            folder = (stack.enter_context(tempfile.TemporaryDirectory(prefix="batchery-callgrind-"))
+                      if args.instructions else None)
+            ports = stack.enter_context(private_cluster(masters, folder))
             for _ in range(args.repeat):
                 for shards in counts:
                     for order in ORDERS:
                         common.log(f"cluster scale: {masters} master(s), {shards} shard(s), "
                                    f"{order}, {n:,} no-op requests ...")
-                        rows.append(run(ports, shards, n, args.workers, args.max_batch_size, order))
-    text = common.table(rows, COLUMNS) + "\n\n" + projection(rows)
-    targets = flatness(rows)
+                        meter = NodeInstructions(ports, folder) if folder else NodeCpu(ports)
+                        rows.append(run(ports, shards, n, args.workers, args.max_batch_size,
+                                        order, meter))
+    if args.instructions:
+        text = common.table(rows, INSTRUCTION_COLUMNS)
+        targets = [line.replace("us/request", "k instructions/request")
+                   for line in flatness(rows)]
+    else:
+        text = common.table(rows, COLUMNS) + "\n\n" + projection(rows)
+        targets = flatness(rows)
     print(f"\n## Cluster scale: no-op runner, {args.workers} workers, a producer without "
           f"transformers (requests priced by estimate) ({common.machine()})"
           f"\n\n{text}\n\n" + "\n".join(targets) + "\n")
