@@ -147,3 +147,34 @@ def flaky() -> Any:
             raise RuntimeError("'once' fails on its first run")
         return [f"ok:{v}" for v in inputs]
     return run
+
+
+class _TokenizerThreads:
+    """Answers each input with the TOKENIZERS_PARALLELISM its worker runs under; placed on
+    ``device`` as a built-in runner reports it (no model: the worker's choice is tested)."""
+
+    tokenizer, max_input_tokens, warmup_inputs = "", 0, None
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def prepare(self, inputs: list[Any]) -> Any:
+        from batchery.workers.runners import Prepared
+        return Prepared(list(inputs), [1] * len(inputs), len(inputs))
+
+    def run(self, data: Any) -> list[Any]:
+        return [os.environ.get("TOKENIZERS_PARALLELISM")] * len(data)
+
+    def count_tokens(self, inputs: list[Any]) -> None:
+        return None
+
+    def warmup(self) -> None:
+        pass
+
+
+def tokenizer_threads_on_gpu() -> Any:
+    return _TokenizerThreads("cuda:0")
+
+
+def tokenizer_threads_on_cpu() -> Any:
+    return _TokenizerThreads("cpu")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import REGISTRY
 
 from batchery import Client
@@ -23,7 +26,8 @@ from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
 from batchery.workers.runners.hf import resolve_model
-from tests.conftest import free_port, run_cli, start_worker, stop_process, wait_for
+from tests.conftest import (ROOT, cli_env, free_port, run_cli, start_worker, stop_process,
+                            wait_for)
 
 
 class Recording(Runner):
@@ -272,3 +276,28 @@ def test_a_renew_racing_a_commit_is_no_lost_lease(rconn: Any, queue_name: str) -
     assert leases.still_held(lost) == ["b"]  # a is being committed; b is truly lost to us
     leases.drop(["a", "b"])
     assert leases.still_held(lost) == [] and len(leases) == 0
+
+
+@pytest.mark.parametrize("placed, expected", [("gpu", "true"), ("cpu", "false")])
+def test_a_worker_on_a_gpu_lets_the_tokenizer_use_its_threads(redis_url: str, queue_name: str,
+                                                              placed: str, expected: str) -> None:
+    """On a CPU the model needs every core, so a worker tokenizes on one thread; on a GPU
+    the cores are free and one tokenizing thread bounds the worker. A setting in the
+    environment wins either way."""
+    env = cli_env(redis_url)
+    env.pop("TOKENIZERS_PARALLELISM", None)
+    for given, wanted in ((None, expected), ("false" if expected == "true" else "true", None)):
+        if given is not None:
+            env["TOKENIZERS_PARALLELISM"] = given
+        with Client(redis_url, queue_name) as client:
+            handle = client.enqueue("which?")  # first: a burst worker drains, then leaves
+            worker = subprocess.Popen([sys.executable, "-m", "batchery", "worker", "--queue",
+                                       queue_name, "--runner",
+                                       f"tests.runners:tokenizer_threads_on_{placed}", "--burst"],
+                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            try:
+                result = handle.result(timeout=60)
+            finally:
+                stop_process(worker)
+        assert result.ok and result.output == (wanted or given)
