@@ -94,10 +94,13 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 
 
 def env(**extra: str) -> dict[str, str]:
-    """Environment for child processes: offline models, quiet logs, one tokenizer thread."""
-    out = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               BATCHERY_LOG_LEVEL="WARNING",
+    """Environment for child processes: offline models, quiet logs. Not this process's
+    TOKENIZERS_PARALLELISM (a benchmark tokenizes on one thread, as a worker on a CPU):
+    a worker chooses its tokenizer's threads itself (on a GPU, the host's: workers/cli.py),
+    and that choice is what is measured."""
+    out = dict(os.environ, HF_HUB_OFFLINE="1", BATCHERY_LOG_LEVEL="WARNING",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out.pop("TOKENIZERS_PARALLELISM", None)
     out.update(extra)
     return out
 

@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.log(f"start order: MiniLM, {n} passages; loading the in-process model ...")
     runner = load_model(common.CORES, args.device)
     on_gpu = runner.device.type == "cuda"
+    if on_gpu:  # as a worker on a GPU tokenizes (workers/cli.py): the limit does no less
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
     common.freeze()
     common.log(f"(a) sweeping batch sizes over length-sorted batches on {runner.device} ...")
     limit = best(sweep("(a) in-process, sorted, batch {size}", list(GPU_SWEEP if on_gpu else SWEEP),
