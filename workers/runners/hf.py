@@ -77,8 +77,8 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> Prepared:
     """Pad to the longest in the batch (not to max_length): padding is wasted compute.
 
     As NumPy arrays, then tensors over the same memory: the tokenizer's own "pt" builds
-    each tensor from nested Python lists, which cost more than the tokenizing itself on a
-    GPU's host (bench/tokenize_cost.py)."""
+    each tensor from nested Python lists, which on a GPU's host cost more than the
+    tokenizing itself (docs/performance.md, "On a GPU")."""
     encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
                         return_tensors="np")
     return _prepared(BatchEncoding({name: torch.from_numpy(values)
