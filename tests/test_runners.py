@@ -7,14 +7,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, GPT2Config,
                           GPT2LMHeadModel)
 
 from batchery.errors import ConfigError
 from batchery.workers.runners import InputError, load_runner
 from batchery.workers.calibrate import pick_batch_size, smallest_within_tolerance
-from batchery.workers.runners.hf import CountedTexts, count_texts, resolve_model, tokenize
+from batchery.workers.runners.hf import (CountedTexts, count_texts, encode_tensors,
+                                        resolve_model, tokenize)
 from bench.corpus import paragraphs
+from tests.conftest import examples
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +110,29 @@ def test_a_batch_counted_to_price_it_is_prepared_as_tokenizing_it_would(minilm, 
     count_texts(minilm._tokenizer, ["long text", "more"], 256, by_size)  # 9 + 4 chars > 10
     assert by_size.prepare(minilm._tokenizer, ["long text"]) is None
     assert by_size.prepare(minilm._tokenizer, ["more"]) is not None
+
+
+@settings(max_examples=examples(60), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.text(max_size=400), min_size=1, max_size=8), st.integers(2, 80),
+       st.sampled_from(["right", "left"]), st.booleans())
+def test_tensors_from_numpy_equal_the_tokenizers_own(minilm, texts: list[str], max_length: int,
+                                                     side: str, token_types: bool) -> None:
+    """Every batch the runners tokenize (embed, classify: padded right; generate's static
+    batch: padded left, no token types) gets the tensors the tokenizer would build itself,
+    the same values and dtypes, whatever the texts, lengths and truncation."""
+    tokenizer = minilm._tokenizer
+    tokenizer.padding_side = side
+    try:
+        options = dict(padding=True, truncation=True, max_length=max_length,
+                       return_token_type_ids=token_types)
+        ours, theirs = (encode_tensors(tokenizer, texts, **options),
+                        tokenizer(texts, return_tensors="pt", **options))
+    finally:
+        tokenizer.padding_side = "right"
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name])
 
 
 def test_embed_accepts_text_objects_and_rejects_other_inputs(minilm) -> None:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from batchery.workers.runners.base import InputError, Prepared
 from batchery.workers.generation.batch import DecodeBatch, Sequence
-from batchery.workers.runners.hf import HFRunner, count_texts, to_device
+from batchery.workers.runners.hf import HFRunner, count_texts, encode_tensors, to_device
 from batchery.workers.generation.sampling import GenParams, parse_params
 
 
@@ -81,8 +81,8 @@ class GenerateRunner(HFRunner):
         room = max(1, self.max_input_tokens - max(new_tokens))
         # no token_type_ids: a BERT-style tokenizer returns them, and GPT-2 would add them
         # to its inputs as token embeddings (of id 0), changing what it generates
-        encoded = self._tokenizer(prompts, padding=True, truncation=True, max_length=room,
-                                  return_tensors="pt", return_token_type_ids=False)
+        encoded = encode_tensors(self._tokenizer, prompts, padding=True, truncation=True,
+                                 max_length=room, return_token_type_ids=False)
         mask = encoded["attention_mask"]
         lengths = [int(n) + m for n, m in zip(mask.sum(dim=1).tolist(), new_tokens)]
         padded = (mask.shape[1] + max(new_tokens)) * len(prompts)

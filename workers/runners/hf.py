@@ -73,16 +73,18 @@ def max_seq_length(model_dir: str, tokenizer: Any, config: Any) -> int:
     return int(min(v for v in limits if isinstance(v, int) and 0 < v < 1_000_000))
 
 
-def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> Prepared:
-    """Pad to the longest in the batch (not to max_length): padding is wasted compute.
+def encode_tensors(tokenizer: Any, texts: list[str], **options: Any) -> BatchEncoding:
+    """``tokenizer(texts, **options)`` as tensors: NumPy arrays, then tensors over the same
+    memory. The tokenizer's own "pt" builds each tensor from nested Python lists, which on
+    a GPU's host cost more than the tokenizing itself (docs/performance.md, "On a GPU")."""
+    encoded = tokenizer(texts, return_tensors="np", **options)
+    return BatchEncoding({name: torch.from_numpy(values) for name, values in encoded.items()})
 
-    As NumPy arrays, then tensors over the same memory: the tokenizer's own "pt" builds
-    each tensor from nested Python lists, which on a GPU's host cost more than the
-    tokenizing itself (docs/performance.md, "On a GPU")."""
-    encoded = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                        return_tensors="np")
-    return _prepared(BatchEncoding({name: torch.from_numpy(values)
-                                    for name, values in encoded.items()}))
+
+def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> Prepared:
+    """Pad to the longest in the batch (not to max_length): padding is wasted compute."""
+    return _prepared(encode_tensors(tokenizer, texts, padding=True, truncation=True,
+                                    max_length=max_length))
 
 
 def _prepared(encoded: Any) -> Prepared:
