@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -217,6 +218,16 @@ def save(name: str, data: Any) -> Path:
 def machine() -> str:
     import platform
     return f"{CORES}-core {platform.machine()} {platform.system()}, Python {platform.python_version()}"
+
+
+def bootstrap_interval(statistic: Callable[..., float], *samples: Sequence[float],
+                       seed: int = 5, resamples: int = 2000) -> tuple[float, float]:
+    """The 90% bootstrap interval of ``statistic(*samples)``: each sample resampled with
+    replacement ``resamples`` times (a seeded generator: the same data, the same interval)."""
+    rng = random.Random(seed)
+    values = sorted(statistic(*(rng.choices(sample, k=len(sample)) for sample in samples))
+                    for _ in range(resamples))
+    return values[int(0.05 * resamples)], values[int(0.95 * resamples)]
 
 
 def accelerator(device: Any) -> str:

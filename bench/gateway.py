@@ -50,7 +50,6 @@ CONCURRENCY = (64, 1)
 PACED_LOAD = 0.5
 PACED_SEED = 7  # one Poisson schedule of arrivals, the same for both paths
 ROUNDS = 8        # each row's requests in this many turns, alternating the two paths
-BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median added
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 COLUMNS = [("path", "path", ""), ("concurrency", "at once", "d"),
            ("offered", "arrivals/s (paced)", ".0f"), ("requests", "requests", ",d"),
@@ -145,15 +144,6 @@ async def paced(call: Callable[[int], Awaitable[None]], n: int, concurrency: int
     return time.perf_counter() - started, latencies
 
 
-def median_interval(values: list[float]) -> tuple[float, float]:
-    """The 90% bootstrap interval of the median of ``values`` (one per round: the rounds,
-    not the requests, are the independent samples of a closed loop)."""
-    rng = random.Random(PACED_SEED)
-    medians = sorted(common.percentile(rng.choices(values, k=len(values)), 0.5)
-                     for _ in range(BOOTSTRAP))
-    return medians[int(0.05 * BOOTSTRAP)], medians[int(0.95 * BOOTSTRAP)]
-
-
 def row(path: str, concurrency: int, seconds: float, latencies: list[float]) -> dict[str, Any]:
     return {"path": path, "concurrency": concurrency, "requests": len(latencies),
             "rps": len(latencies) / seconds, "p50_ms": 1000 * common.percentile(latencies, 0.5),
@@ -190,35 +180,40 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
             await load(through_gateway, min(count, 500), concurrency)  # warm the HTTP path
             paths = (("gateway /v1/embeddings", through_gateway), ("AsyncClient.submit", direct))
             # seconds, latencies, gateway CPU, requests and batches the worker ran
-            spent = {p: [0.0, [], 0.0, 0, 0] for p, _ in paths}
+            # per path: seconds, latencies, gateway CPU, the requests and batches the worker ran
+            spent = {p: {"seconds": 0.0, "latencies": [], "cpu": 0.0, "ran": 0, "batches": 0}
+                     for p, _ in paths}
             added = []  # each round's median through the gateway less the direct one's
             for _ in range(ROUNDS):  # alternated, so that the machine's load drifts on both
                 for c in connections:
                     c.close()
                 connections[:] = [await Connection.open(port) for _ in range(concurrency)]
+                medians = []  # this round's, in the order of paths
                 for path, call in paths:
                     common.log(f"embeddings: {path}, {count // ROUNDS:,} requests, "
                                f"{concurrency} at a time" + (f", {rate:.0f}/s" if rate else "")
                                + " ...")
                     cpu, before = common.cpu_seconds(gateway_pid), stats.queue.stats()["totals"]
                     seconds, latencies = await run(call, count // ROUNDS)
-                    after = stats.queue.stats()["totals"]
-                    for i, more in enumerate((seconds, latencies, common.cpu_seconds(gateway_pid) - cpu,
-                                              after.get("ok", 0) - before.get("ok", 0),
-                                              after.get("batches", 0) - before.get("batches", 0))):
-                        spent[path][i] += more
-                    if call is direct:
-                        added.append(common.percentile(spent[paths[0][0]][1][-len(latencies):], 0.5)
-                                     - common.percentile(latencies, 0.5))
+                    after, total = stats.queue.stats()["totals"], spent[path]
+                    total["seconds"] += seconds
+                    total["latencies"] += latencies
+                    total["cpu"] += common.cpu_seconds(gateway_pid) - cpu
+                    total["ran"] += after.get("ok", 0) - before.get("ok", 0)
+                    total["batches"] += after.get("batches", 0) - before.get("batches", 0)
+                    medians.append(common.percentile(latencies, 0.5))
+                added.append(medians[0] - medians[1])
             for path, call in paths:
-                seconds, latencies, cpu, ran, batches = spent[path]
-                rows.append({**row(path, concurrency, seconds, latencies), "offered": rate,
-                             "batch": ran / max(1, batches)})
+                total = spent[path]
+                rows.append({**row(path, concurrency, total["seconds"], total["latencies"]),
+                             "offered": rate, "batch": total["ran"] / max(1, total["batches"])})
                 if call is through_gateway:  # the gateway process's CPU per request
-                    rows[-1]["gateway_us"] = 1e6 * cpu / len(latencies)
+                    rows[-1]["gateway_us"] = 1e6 * total["cpu"] / len(total["latencies"])
                     rows[-1]["added_ms"] = 1000 * common.percentile(added, 0.5)
-                    rows[-1]["added_interval"] = "{:+.1f} to {:+.1f}".format(
-                        *(1000 * x for x in median_interval(added)))
+                    # the rounds, not the requests, are the independent samples
+                    low, high = common.bootstrap_interval(lambda r: common.percentile(r, 0.5),
+                                                          added, seed=PACED_SEED)
+                    rows[-1]["added_interval"] = f"{1000 * low:+.1f} to {1000 * high:+.1f}"
             for c in connections:
                 c.close()
     stats.close()
