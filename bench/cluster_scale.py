@@ -35,10 +35,8 @@ slows Redis about 30 times: use a small -n (6,000 takes a few minutes).
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +50,7 @@ from batchery import Client
 from batchery.embedded import find_redis_server
 from bench import common
 from bench.queue_cost import IN_FLIGHT
+from bench.redis_instructions import callgrind_command, callgrind_dump, dumped_counts
 
 MASTERS = 3  # private_cluster's default size
 ORDERS = ("workers first", "producer first")
@@ -91,27 +90,15 @@ class NodeInstructions(NodeCpu):
         super().__init__(ports)
         self.folder = folder
 
-    def _dump(self, part: str) -> None:
-        for pid in self.pids.values():
-            subprocess.run([shutil.which("callgrind_control") or "callgrind_control",
-                            f"--dump={part}", str(pid)], check=True, capture_output=True)
-
     def start(self) -> None:
-        self._dump("before")
+        for pid in self.pids.values():
+            callgrind_dump(pid, "before")
 
     def per_request(self, n: int) -> list[float]:
-        self._dump("run")
-        counts = []
         for pid in self.pids.values():
-            total = 0
-            for path in glob.glob(os.path.join(self.folder, f"callgrind.{pid}.*")):
-                text = open(path, errors="replace").read()
-                found = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
-                if found and re.search(r"^desc: Trigger: .*dump run$", text, re.M):
-                    total += int(found.group(1))
-                os.remove(path)  # counted, or a count before the run: not the next run's
-            counts.append(total / n / 1000)
-        return counts
+            callgrind_dump(pid, "run")
+        return [dumped_counts(os.path.join(self.folder, f"callgrind.{pid}.*")).get("run", 0)
+                / n / 1000 for pid in self.pids.values()]
 
 
 @contextlib.contextmanager
@@ -120,19 +107,12 @@ def private_cluster(masters: int = MASTERS, callgrind: str | None = None) -> Ite
     ports; yields their ports once every slot is served. ``callgrind``: a folder; each
     node runs under valgrind's callgrind and writes its counts there (NodeInstructions)."""
     binary = find_redis_server()
-    if callgrind:
-        valgrind = shutil.which("valgrind")
-        if not valgrind or not shutil.which("callgrind_control"):
-            raise SystemExit("--instructions needs valgrind (with callgrind_control) on the PATH")
-        binary_argv = [valgrind, "--tool=callgrind",
-                       f"--callgrind-out-file={os.path.join(callgrind, 'callgrind.%p')}", binary]
-    else:
-        binary_argv = [binary]
+    under = callgrind_command(os.path.join(callgrind, "callgrind.%p")) if callgrind else []
     folder = tempfile.mkdtemp(prefix="batchery-cluster-")
     ports = [common.free_port() for _ in range(masters)]
     while max(ports) >= 55_000:  # each node's bus port is its port + 10,000
         ports = [common.free_port() for _ in range(masters)]
-    procs = [subprocess.Popen([*binary_argv, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder,
+    procs = [subprocess.Popen([*under, binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", folder,
                                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                                "--save", "", "--appendonly", "no"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for port in ports]

@@ -86,16 +86,43 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
     conn.close()
 
 
+def callgrind_command(out: str) -> list[str]:
+    """The command prefix that runs a program under valgrind's callgrind, its counts
+    written to ``out``.N, one file per dump (callgrind_dump)."""
+    valgrind = shutil.which("valgrind")
+    if not valgrind or not shutil.which("callgrind_control"):
+        raise SystemExit("needs valgrind (with callgrind_control) on the PATH")
+    return [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}"]
+
+
+def callgrind_dump(pid: int, part: str) -> None:
+    """Have the program under callgrind write out its counts since the last dump, and zero
+    them; ``part`` names the dump (dumped_counts sums by it)."""
+    subprocess.run(["callgrind_control", f"--dump={part}", str(pid)], check=True,
+                   capture_output=True)
+
+
+def dumped_counts(pattern: str) -> dict[str, int]:
+    """Instructions counted in the dump files matching ``pattern``, summed by their part;
+    the files are removed (a later call counts only later dumps)."""
+    totals: dict[str, int] = {}
+    for path in glob.glob(pattern):
+        text = Path(path).read_text(errors="replace")
+        part = re.search(r"^desc: Trigger: .*dump (\w+)", text, re.M)
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if part and total:
+            totals[part.group(1)] = totals.get(part.group(1), 0) + int(total.group(1))
+        os.remove(path)
+    return totals
+
+
 def count(n: int, backlog: int) -> dict[str, float]:
     """Instructions per request of each part, from callgrind's dumps."""
-    valgrind, control = shutil.which("valgrind"), shutil.which("callgrind_control")
-    if not valgrind or not control:
-        raise SystemExit("needs valgrind (with callgrind_control) on the PATH")
     folder, port = tempfile.mkdtemp(prefix="batchery-instructions-"), common.free_port()
     out = os.path.join(folder, "callgrind.out")
-    proc = subprocess.Popen([valgrind, "--tool=callgrind", f"--callgrind-out-file={out}",
-                             find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", folder, "--save", "", "--appendonly", "no"],
+    proc = subprocess.Popen([*callgrind_command(out), find_redis_server(), "--port", str(port),
+                             "--bind", "127.0.0.1", "--dir", folder, "--save", "",
+                             "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
@@ -104,22 +131,15 @@ def count(n: int, backlog: int) -> dict[str, float]:
         redis.Redis(port=port).flushdb()
 
         def dump(part: str) -> None:
-            subprocess.run([control, f"--dump={part or 'skip'}", str(proc.pid)], check=True,
-                           capture_output=True)
+            callgrind_dump(proc.pid, part or "skip")
         dump("")
         drive(url, n, backlog, dump)
     finally:
         proc.kill()
         proc.wait(30)
-    totals = dict.fromkeys(PARTS, 0)
-    for path in glob.glob(out + ".*"):
-        text = Path(path).read_text(errors="replace")
-        part = re.search(r"^desc: Trigger: .*dump (\w+)", text, re.M)
-        total = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
-        if part and total and part.group(1) in totals:
-            totals[part.group(1)] += int(total.group(1))
+    totals = dumped_counts(out + ".*")
     shutil.rmtree(folder, ignore_errors=True)
-    used = {part: totals[part] / n for part in PARTS}
+    used = {part: totals.get(part, 0) / n for part in PARTS}
     used["all"] = sum(used.values())
     return used
 
