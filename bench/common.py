@@ -180,6 +180,19 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of its live descendants (a server's worker processes)."""
+    total, pids = 0.0, [pid]
+    while pids:
+        p = pids.pop()
+        total += cpu_seconds(p)
+        try:
+            pids += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return total
+
+
 def freeze() -> None:
     """Keep the garbage collector's full passes off what is loaded by now (models,
     tokenizers, libraries), as a long-running service would: with transformers loaded

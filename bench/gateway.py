@@ -24,7 +24,10 @@ not taken from the model. ``--shared-cores`` runs everything on every core, as t
 measurements did (on a CPU-only machine of two cores the gateway then competes with the
 model it feeds).
 
-``python -m bench.gateway [--quick] [-n N] [--shared-cores]``
+``--gateway-processes N`` runs `batchery serve --processes N` (its CPU per request is then that
+of all its processes).
+
+``python -m bench.gateway [--quick] [-n N] [--shared-cores] [--gateway-processes N]``
 """
 
 from __future__ import annotations
@@ -193,12 +196,12 @@ async def embeddings(url: str, port: int, queue: str, n: int, gateway_pid: int) 
                     common.log(f"embeddings: {path}, {count // ROUNDS:,} requests, "
                                f"{concurrency} at a time" + (f", {rate:.0f}/s" if rate else "")
                                + " ...")
-                    cpu, before = common.cpu_seconds(gateway_pid), stats.queue.stats()["totals"]
+                    cpu, before = common.tree_cpu_seconds(gateway_pid), stats.queue.stats()["totals"]
                     seconds, latencies = await run(call, count // ROUNDS)
                     after, total = stats.queue.stats()["totals"], spent[path]
                     total["seconds"] += seconds
                     total["latencies"] += latencies
-                    total["cpu"] += common.cpu_seconds(gateway_pid) - cpu
+                    total["cpu"] += common.tree_cpu_seconds(gateway_pid) - cpu
                     total["ran"] += after.get("ok", 0) - before.get("ok", 0)
                     total["batches"] += after.get("batches", 0) - before.get("batches", 0)
                     medians.append(common.percentile(latencies, 0.5))
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.add_argument("--shared-cores", action="store_true", help="workers, gateway, Redis "
                       "and load generator all on every core (default: the workers on cores "
                       "of their own)")
+    args.add_argument("--gateway-processes", type=int, default=1, help="batchery serve "
+                      "--processes (default 1)")
     args = args.parse_args(argv)
     n = args.n or (1_500 if args.quick else 6_000)
     port = common.free_port()
@@ -276,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 common.wait_until(lambda: embed.queue.stats()["workers"] >= 1
                                   and generate.queue.stats()["workers"] >= 1, 180, "the workers")
             procs.append(common.start([sys.executable, "-m", "batchery", "serve", "--redis-url",
-                                       url, "--port", str(port)]))
+                                       url, "--port", str(port), "--processes",
+                                       str(args.gateway_processes)]))
             common.wait_until(lambda: _ready(port), 60, "batchery serve")
             common.freeze()
             rows = asyncio.run(embeddings(url, port, "embed", n, procs[-1].pid))
@@ -287,9 +293,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = common.table(rows, COLUMNS)
     ttft_text = common.table(ttft, TTFT_COLUMNS)
     print(f"\n## Gateway cost: single-input /v1/embeddings vs AsyncClient.submit, MiniLM, "
-          f"default flags ({common.machine()}; {placement})\n\n{text}\n\n## Time to first token, one at a "
+          f"default flags ({common.machine()}; {placement}; {args.gateway_processes} gateway "
+          f"process(es))\n\n{text}\n\n## Time to first token, one at a "
           f"time (random GPT-2 ~10M parameters)\n\n{ttft_text}\n\n{summary['text']}\n")
-    common.save("gateway", {"machine": common.machine(), "placement": placement, "rows": rows, "ttft": ttft, **summary})
+    common.save("gateway", {"machine": common.machine(), "placement": placement,
+                            "gateway_processes": args.gateway_processes, "rows": rows, "ttft": ttft, **summary})
     return {"rows": rows, "ttft": ttft, "table": text, **summary}
 
 

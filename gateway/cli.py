@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import click
@@ -20,6 +23,21 @@ SERVE_PORT = 8000         # where OpenAI-compatible servers (vLLM, TGI's router)
 # Idle keep-alive connections stay open this long: longer than load balancers' idle timeout
 # (60 s on most), so that none sends a request on a connection the gateway just closed.
 KEEP_ALIVE_S = 75
+# `serve --processes N`: the settings each of the N processes builds its app from (uvicorn
+# starts them afresh, so they take them from the environment, as JSON)
+ENV_SERVE_SETTINGS = "BATCHERY_SERVE_SETTINGS"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What an app of `batchery serve` is built from, in the process that serves it."""
+
+    queues: tuple[str, ...]
+    keys_file: str | None
+    files_dir: str
+    jobs_queue: str
+    redis_url: str | None
+    cluster: bool
 
 
 def default_files_dir() -> str:
@@ -34,19 +52,23 @@ def default_files_dir() -> str:
               "default: every queue registered in Redis, each as the model of its name.")
 @click.option("--keys-file", type=click.Path(dir_okay=False), help="API keys, one "
               f"`KEY TENANT [QUEUE,...|*]` per line (also from {ENV_API_KEYS}).")
+@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Processes answering on the port, each with its own event loop: one "
+              "process keeps about one core busy, so give a host with cores to spare more "
+              "(uvicorn starts one again if it dies).")
 @click.option("--files-dir", help="Where /v1/files and batch outputs live: a directory the "
               "jobs workers read too (a shared volume) [default: BATCHERY_HOME/files].")
 @jobs_queue_option
 @redis_options
 def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str | None,
-          files_dir: str | None, jobs_queue: str, redis_url: str | None, cluster: bool) -> None:
+          processes: int, files_dir: str | None, jobs_queue: str, redis_url: str | None,
+          cluster: bool) -> None:
     """Serve the OpenAI API (/v1/models, embeddings, completions, chat, files, batches)
     over batchery's queues."""
     try:
         import uvicorn
-        from batchery.gateway.app import Gateway, create_app
+        importlib.import_module("starlette")  # the app's framework, in the extra too
         from batchery.gateway.auth import Keys
-        from batchery.gateway.catalog import Catalog
     except ImportError as exc:
         raise ConfigError(f"the gateway needs its extra ({exc.name} is missing): "
                           "pip install 'batchery[serve]'") from None
@@ -58,25 +80,53 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
                           f"it could use every queue. Give keys (--keys-file, or {ENV_API_KEYS}"
                           f"), or keep the default --host {LOOPBACK}")
     check_port_free(host, port)
-    redis = RedisSettings.from_url(redis_url, cluster=cluster)
-    catalog = Catalog(redis, tuple(check_queue_name(q) for q in queues))
+    settings = ServeSettings(tuple(check_queue_name(q) for q in queues), keys_file,
+                             files_dir or default_files_dir(), jobs_queue, redis_url, cluster)
+    probe = RedisSettings.from_url(redis_url, cluster=cluster).client()
     try:
-        catalog.ping()
+        probe.ping()
     except redis_errors.ConnectionError as exc:  # it may start after us: /ready says 503 till then
         click.echo(f"warning: Redis does not answer yet ({exc}); serving anyway, /ready "
                    "answers 503 until it does", err=True)
-    gateway = Gateway(catalog, keys)
-    _add_batches(gateway, redis, files_dir or default_files_dir(), jobs_queue)
+    finally:
+        probe.close()
     shown = f"[{host}]" if ":" in host else host
     served = ", ".join(queues) if queues else "every registered queue"
+    if processes > 1:
+        served += f"; {processes} processes"
     if keys.configured:
         click.echo(f"batchery serve: OpenAI API on http://{shown}:{port}/v1 ({served}; "
                    f"{len(keys)} API key(s))", err=True)
     else:
         click.echo(f"batchery serve: OpenAI API on http://{shown}:{port}/v1 ({served}); no API "
                    f"keys configured, so it listens on {host} only and takes any key", err=True)
-    uvicorn.run(create_app(gateway), host=host, port=port, log_level="warning",
-                access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
+    listen = {"host": host, "port": port, "log_level": "warning", "access_log": False,
+              "timeout_keep_alive": KEEP_ALIVE_S}
+    if processes == 1:
+        uvicorn.run(build_app(settings), **listen)
+        return
+    # uvicorn binds the port here and starts the processes, each importing the app's factory
+    os.environ[ENV_SERVE_SETTINGS] = json.dumps(asdict(settings))
+    uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=processes, **listen)
+
+
+def build_app(settings: ServeSettings) -> Any:
+    """The gateway's app: its queues' catalog, the API keys, the Batch API's routes."""
+    from batchery.gateway.app import Gateway, create_app
+    from batchery.gateway.auth import Keys
+    from batchery.gateway.catalog import Catalog
+    redis = RedisSettings.from_url(settings.redis_url, cluster=settings.cluster)
+    gateway = Gateway(Catalog(redis, settings.queues),
+                      Keys.load(settings.keys_file, os.environ.get(ENV_API_KEYS)))
+    _add_batches(gateway, redis, settings.files_dir, settings.jobs_queue)
+    return create_app(gateway)
+
+
+def app_from_environment() -> Any:
+    """uvicorn's factory in each process of `batchery serve --processes N`: the app of the
+    settings the command put in the environment."""
+    raw = json.loads(os.environ[ENV_SERVE_SETTINGS])
+    return build_app(ServeSettings(**{**raw, "queues": tuple(raw["queues"])}))
 
 
 def _add_batches(gateway: Any, redis: RedisSettings, files_dir: str, jobs_queue: str) -> None:

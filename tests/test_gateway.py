@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import signal
 import struct
 import threading
 import uuid
@@ -238,3 +240,45 @@ def test_no_keys_means_loopback_only(redis_server) -> None:
     refused = run_cli("serve", "--host", "0.0.0.0", "--port", "1", redis_url=redis_server.url)
     assert refused.returncode == 2
     assert "without API keys" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def _served_by(parent: int) -> set[int]:
+    """The processes `serve --processes N` started (uvicorn's, not multiprocessing's helper)."""
+    listed = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    pids = set()
+    for pid in map(int, listed):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.add(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+def test_several_processes_serve_one_port_and_a_dead_one_is_replaced(gateway, queues,
+                                                                      redis_server,
+                                                                      tmp_path) -> None:
+    with Client(redis_server.url, queues["embed"]) as direct:
+        expected = direct.enqueue("hello world").result(timeout=60).output
+    with serve(redis_server.url, tmp_path, "--processes", "2") as served:
+        sdk = served.client()
+        wait_for(lambda: len(_served_by(served.proc.pid)) == 2, 30, 0.1,
+                 message="two processes serving")
+        first = _served_by(served.proc.pid)
+        one = sdk.embeddings.create(model=queues["embed"], input="hello world")
+        assert np.allclose(one.data[0].embedding, expected, atol=1e-6)
+        killed = min(first)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: len(_served_by(served.proc.pid) - first) == 1
+                 and len(_served_by(served.proc.pid)) == 2, 60, 0.1,
+                 message="the dead process replaced")
+        for _ in range(8):  # new connections each: whichever process accepts, it answers
+            with served.client() as fresh:
+                again = fresh.embeddings.create(model=queues["embed"], input="hello world")
+            assert np.allclose(again.data[0].embedding, expected, atol=1e-6)
+        now = _served_by(served.proc.pid)
+    for pid in now:  # stopping the command stops its processes
+        wait_for(lambda: not Path(f"/proc/{pid}").exists()
+                 or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower(), 30, 0.1,
+                 message=f"serving process {pid} stopped with the command")
+    assert "Traceback" not in served.log.read_text()
