@@ -69,12 +69,3 @@ class AsyncRequestQueue:
         if ids:
             await self.client.delete(*(self.keys.result(i) for i in ids))
 
-    async def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
-        """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
-        then takes up to ``most`` in all."""
-        key = self.keys.reply(client_id)
-        first = await self.client.blpop([key], timeout=block_s)
-        if not first:
-            return []
-        rest = await self.client.lpop(key, most - 1) or []
-        return Result.from_json_many([first[1], *rest])

@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
 from batchery.batching.async_queue import AsyncRequestQueue
-from batchery.batching.calls import Cancelled
+from batchery.batching.calls import Cancelled, parse_reply_read, reply_read
 from batchery.batching.keys import Keys, shard_of, shard_tags
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
@@ -130,11 +130,12 @@ class AsyncShardedQueue:
             AsyncRequestQueue(self.client, self.name, tag, self.scripts)
 
     async def pop_replies(self, client_id: str, block_s: float, most: int,
-                          tags: Sequence[str] | None = None) -> list[Result]:
+                          tags: Sequence[str] | None = None,
+                          forget: Sequence[str] = ()) -> list[Result]:
         """As ShardedQueue.pop_replies."""
         keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
-        first = await self.client.blpop(keys, timeout=block_s)
-        if not first:
-            return []
-        rest = await self.client.lpop(first[0], most - 1) or []
-        return Result.from_json_many([first[1], *rest])
+        shards = self.shards
+        forgotten = [shards[shard_of(i, len(shards))].keys.result(i) for i in forget]
+        pipe = self.client.pipeline(transaction=False)
+        reply_read(pipe, keys, block_s, most, forgotten)
+        return parse_reply_read(await pipe.execute(), forgotten)

@@ -331,6 +331,31 @@ def revive_call(k: Keys, ids: Sequence[str]) -> Call:
                 [k.result_prefix, *ids])
 
 
+def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
+               forget: Sequence[str] = ()) -> None:
+    """A client's read of its reply lists in one round trip, queued on ``pipe`` (a
+    pipeline, not a transaction): the DEL of ``forget`` (result keys the last read
+    delivered: QueueSettings.delete_delivered), a BLPOP of up to ``block_s`` on
+    ``reply_keys``, then an LPOP of each list (up to ``most`` results in all). Redis runs
+    a connection's commands in order, so the LPOPs run as soon as the BLPOP answers or
+    times out: what was pushed meanwhile comes along. parse_reply_read reads the answer."""
+    if forget:  # (one DEL: on a Cluster the reader's results share its list's slot)
+        pipe.execute_command("DEL", *forget)
+    pipe.blpop(list(reply_keys), timeout=block_s)
+    share = max(1, (most - 1) // len(reply_keys))
+    for key in reply_keys:
+        pipe.lpop(key, share)
+
+
+def parse_reply_read(replies: list[Any], forget: Sequence[str] = ()) -> list[Result]:
+    """The results of a reply_read, in the order they were pushed on each list."""
+    first, *rest = replies[1:] if forget else replies
+    raws = [first[1]] if first else []
+    for popped in rest:
+        raws += popped or []
+    return Result.from_json_many(raws)
+
+
 def purge_call(k: Keys, ids: Sequence[str], everything: bool) -> Call:
     """The purge script's KEYS and ARGV: dead letters forgotten for good."""
     return Call(fixed_keys(k, "purge"), [int(everything), *ids])

@@ -16,8 +16,9 @@ from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped
                                      cancel_call, claim_call, complete_call, declared_keys,
                                      enqueue_call, fail_call, lookup_call, memory_full, parse_cancel,
                                      parse_claim, parse_clients, parse_enqueue, parse_fail,
-                                     parse_lookup, parse_reap, reap_call, release_call,
-                                     renew_call, workers_call, fold_call)
+                                     parse_lookup, parse_reap, parse_reply_read, reap_call,
+                                     release_call, renew_call, reply_read, workers_call,
+                                     fold_call)
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
@@ -118,13 +119,10 @@ class RequestQueue(QueueInspection):
 
     def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
         """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
-        then takes up to ``most`` in all."""
-        key = self.keys.reply(client_id)
-        first = self.client.blpop([key], timeout=block_s)
-        if not first:
-            return []
-        rest = self.client.lpop(key, most - 1) or []
-        return Result.from_json_many([first[1], *rest])
+        then takes up to ``most`` in all (calls.reply_read)."""
+        pipe = self.client.pipeline(transaction=False)
+        reply_read(pipe, [self.keys.reply(client_id)], block_s, most)
+        return parse_reply_read(pipe.execute())
 
     def forget_results(self, ids: Sequence[str]) -> None:
         """Delete results that reached their reader (QueueSettings.delete_delivered)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from batchery.batching.calls import Cancelled
+from batchery.batching.calls import Cancelled, parse_reply_read, reply_read
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
@@ -123,16 +123,16 @@ class ProducerCalls(ShardLayout):
         return self.shard(request_id).keys
 
     def pop_replies(self, client_id: str, block_s: float, most: int,
-                    tags: Sequence[str] | None = None) -> list[Result]:
+                    tags: Sequence[str] | None = None, forget: Sequence[str] = ()) -> list[Result]:
         """Results pushed onto this client's reply lists on the shards ``tags`` (None:
-        every shard), in one blocking read: the tags must share a node (a single Redis)
-        or be one (a Cluster: one reader per shard)."""
+        every shard), in one round trip that first deletes the results of ``forget`` (ids
+        the last read delivered): calls.reply_read. The tags must share a node (a single
+        Redis) or be one (a Cluster: one reader per shard, whose results are its own)."""
         keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
-        first = self.client.blpop(keys, timeout=block_s)
-        if not first:
-            return []
-        rest = self.client.lpop(first[0], most - 1) or []
-        return Result.from_json_many([first[1], *rest])
+        pipe = self.client.pipeline(transaction=False)
+        forgotten = [self.shard(i).keys.result(i) for i in forget]
+        reply_read(pipe, keys, block_s, most, forgotten)
+        return parse_reply_read(pipe.execute(), forgotten)
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]

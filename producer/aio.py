@@ -111,7 +111,8 @@ class AsyncClient:
     async def connect(self) -> None:
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
         self.queue = await open_async_queue(self._conn, self._queue_name)
-        self.replies = AsyncReplyListener(self.queue, self.client_id, self._forget_delivered)
+        self.replies = AsyncReplyListener(self.queue, self.client_id,
+                                          lambda: self._delete_delivered)
         self._coalescer = EnqueueCoalescer(self._send, ENQUEUE_CHUNK)
         await self.queue.register()  # listed for `batchery queue stats`
         await self._load_settings()

@@ -150,7 +150,7 @@ class Client:
         self._conn = self.redis.client()
         self.queue = open_queue(self._conn, queue)
         self.client_id = secrets.token_hex(8)
-        self.replies = ReplyListener(self.queue, self.client_id, self._forget_delivered)
+        self.replies = ReplyListener(self.queue, self.client_id, self._deletes_delivered)
         self._delete_delivered: bool | None = None
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)
@@ -207,10 +207,14 @@ class Client:
         """A validated Request from a dict; an absent id is generated, tokens counted."""
         return make_request(fields, self._new_id, self.count_tokens, self.tenant)
 
-    def _forget_delivered(self, ids: list[str]) -> None:
+    def _deletes_delivered(self) -> bool:
+        """Whether results are deleted once delivered (the queue's settings, read once)."""
         if self._delete_delivered is None:
             self._delete_delivered = self.queue.settings().delete_delivered
-        if self._delete_delivered:
+        return self._delete_delivered
+
+    def _forget_delivered(self, ids: list[str]) -> None:
+        if self._deletes_delivered():
             self.queue.forget_results(ids)
 
     def count_tokens(self, value: Any) -> int | None:

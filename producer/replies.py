@@ -7,10 +7,11 @@ shard does. The readers start as the queue routes the client's first request to 
 (``follow_routes``), and resolve the futures of the handles waiting on them. A result
 nobody waits for any more (its handle was dropped) is not kept: it stays readable under
 its key.
-The ids of results that reached a waiter are handed to ``on_delivered`` (the client
-deletes them from Redis: QueueSettings.delete_delivered); dead letters are not, they
-stay for ``batchery queue dead list``, nor cancelled ones (kept for result_ttl): the
-worker that was generating one attaches its text after the cancel (lua/attach.lua).
+Results that reached a waiter are deleted from Redis when ``deletes_delivered()`` says
+so (QueueSettings.delete_delivered), by the reader's next read, in its round trip
+(calls.reply_read); dead letters are not, they stay for ``batchery queue dead list``,
+nor cancelled ones (kept for result_ttl): the worker that was generating one attaches
+its text after the cancel (lua/attach.lua).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Awaitable, Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import redis
 
@@ -39,10 +40,10 @@ class ReplyListener:
     """Resolves concurrent.futures of one synchronous client, from a daemon thread."""
 
     def __init__(self, queue: ShardedQueue, client_id: str,
-                 on_delivered: Callable[[list[str]], None] | None = None) -> None:
+                 deletes_delivered: Callable[[], bool] | None = None) -> None:
         self._queue = queue
         self._client_id = client_id
-        self._on_delivered = on_delivered
+        self._deletes_delivered = deletes_delivered
         self._waiters: weakref.WeakValueDictionary[str, Future] = weakref.WeakValueDictionary()
         self._sinks: dict[str, Callable[[Result], None]] = {}
         self._lock = threading.Lock()
@@ -115,13 +116,16 @@ class ReplyListener:
         return reached
 
     def delivered(self, results: list[Result]) -> None:
-        """Tell the owner these results reached their waiters (it may delete them)."""
-        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]
-        if ids and self._on_delivered is not None:
-            try:
-                self._on_delivered(ids)
-            except redis.RedisError as exc:  # they expire after result_ttl anyway
-                log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
+        """Delete now, where the owner deletes delivered results, those a direct read
+        delivered (a reader's own are deleted by its next read)."""
+        self._delete(to_delete(results, self._deletes_delivered))
+
+    def _delete(self, ids: list[str]) -> None:
+        try:
+            if ids:
+                self._queue.forget_results(ids)
+        except redis.RedisError as exc:
+            _not_deleted(ids, exc)
 
     def close(self) -> None:
         self._stop.set()
@@ -130,26 +134,49 @@ class ReplyListener:
 
     def _run(self, tag: str | None) -> None:
         backoff = Backoff()
+        forget: list[str] = []  # delivered, deleted by the next read
         while not self._stop.is_set():
             try:
                 popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
-                                                 self._followed if tag is None else (tag,))
-                self.delivered(self.deliver_many(popped))
+                                                 self._followed if tag is None else (tag,),
+                                                 forget)
+                forget = to_delete(self.deliver_many(popped), self._deletes_delivered)
                 backoff.reset()
             except redis.RedisError as exc:  # Redis restarting: wait and carry on
+                forget = []  # (never retried: they expire after result_ttl anyway)
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
                 self._stop.wait(wait_s)
+        self._delete(forget)
+
+
+def to_delete(reached: Sequence[Result], deletes_delivered: Callable[[], bool] | None
+              ) -> list[str]:
+    """The ids of results that reached their waiters and are to be deleted: none when the
+    queue keeps delivered results, nor dead letters or cancelled ones (module docstring)."""
+    ids = [r.id for r in reached if r.status not in (DEAD, CANCELLED)]
+    if not ids or deletes_delivered is None:
+        return []
+    try:
+        return ids if deletes_delivered() else []
+    except redis.RedisError as exc:  # the settings unreadable: kept, expiring after result_ttl
+        _not_deleted(ids, exc)
+        return []
+
+
+def _not_deleted(ids: Sequence[str], exc: Exception) -> None:
+    if ids:  # they expire after result_ttl anyway
+        log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
 
 
 class AsyncReplyListener:
     """The asyncio twin of ReplyListener: one task per client resolves asyncio futures."""
 
     def __init__(self, queue: AsyncShardedQueue, client_id: str,
-                 on_delivered: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
+                 deletes_delivered: Callable[[], bool] | None = None) -> None:
         self._queue = queue
         self._client_id = client_id
-        self._on_delivered = on_delivered
+        self._deletes_delivered = deletes_delivered
         self._waiters: weakref.WeakValueDictionary[str, asyncio.Future] = weakref.WeakValueDictionary()
         self._sinks: dict[str, Callable[[Result], None]] = {}
         self._followed: tuple[str, ...] = ()
@@ -195,12 +222,15 @@ class AsyncReplyListener:
         return sink is not None
 
     async def delivered(self, results: list[Result]) -> None:
-        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]
-        if ids and self._on_delivered is not None:
-            try:
-                await self._on_delivered(ids)
-            except redis.RedisError as exc:  # they expire after result_ttl anyway
-                log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
+        """As ReplyListener.delivered."""
+        await self._delete(to_delete(results, self._deletes_delivered))
+
+    async def _delete(self, ids: list[str]) -> None:
+        try:
+            if ids:
+                await self._queue.forget_results(ids)
+        except redis.RedisError as exc:
+            _not_deleted(ids, exc)
 
     async def close(self) -> None:
         """Stop after the current blocking pop (at most BLOCK_S) rather than cancel it:
@@ -217,13 +247,18 @@ class AsyncReplyListener:
 
     async def _run(self, tag: str | None) -> None:
         backoff = Backoff()
+        forget: list[str] = []  # delivered, deleted by the next read
         while not self._stopping:
             try:
                 popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
-                                                       self._followed if tag is None else (tag,))
-                await self.delivered([r for r in popped if self.deliver(r)])
+                                                       self._followed if tag is None else (tag,),
+                                                       forget)
+                forget = to_delete([r for r in popped if self.deliver(r)],
+                                   self._deletes_delivered)
                 backoff.reset()
             except redis.RedisError as exc:
+                forget = []  # as ReplyListener's
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
                 await asyncio.sleep(wait_s)
+        await self._delete(forget)
