@@ -8,6 +8,9 @@ reply listener's (its bulk reads, decoding, delivery, the deletion of delivered 
 garbage collection is charged to the thread whose allocation set it off. Then the same
 through ``AsyncClient.map`` (one event loop thread: no split). A warm-up map comes
 first, so imports and script loading are not counted. Both use the default max_in_flight.
+Then each API one request at a time (``Client.enqueue(...).result()``,
+``AsyncClient.submit``; N / 100 of them): what one interactive call costs its producer,
+where nothing is shared among requests (an enqueue and a reply read each).
 
 ``python -m bench.client_cost [--quick] [-n N] [--repeat R]``: every run is two rows.
 """
@@ -52,12 +55,15 @@ def run(url: str, n: int, queue: str = "client-cost") -> list[dict[str, Any]]:
             results = client.map(range(n))
             seconds = time.perf_counter() - started
             cpu, after = common.cpu_seconds() - cpu, thread_cpu()
-        assert all(r.ok for r in results), "a no-op request failed"
-        spent = {name: after[name] - threads.get(name, 0.0) for name in after}
-        rows = [{"api": "Client.map", "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n,
-                 "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
-                 "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}]
+            spent = {name: after[name] - threads.get(name, 0.0) for name in after}
+            rows = [{"api": "Client.map", "requests": n, "rps": n / seconds,
+                     "us_client": 1e6 * cpu / n,
+                     "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
+                     "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}]
+            assert all(r.ok for r in results), "a no-op request failed"
+            rows.append(one_at_a_time(client, max(100, n // 100)))
         rows.append(asyncio.run(run_async(url, n, queue)))
+        rows.append(asyncio.run(run_async_one_at_a_time(url, max(100, n // 100), queue)))
     finally:
         common.stop([worker])
     return rows
@@ -73,6 +79,29 @@ async def run_async(url: str, n: int, queue: str) -> dict[str, Any]:
     return {"api": "AsyncClient.map", "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n}
 
 
+def one_at_a_time(client: Client, n: int) -> dict[str, Any]:
+    threads, cpu, started = thread_cpu(), common.cpu_seconds(), time.perf_counter()
+    for i in range(n):
+        assert client.enqueue(i).result(timeout=60).ok, "a no-op request failed"
+    seconds, cpu, after = time.perf_counter() - started, common.cpu_seconds() - cpu, thread_cpu()
+    spent = {name: after[name] - threads.get(name, 0.0) for name in after}
+    return {"api": "Client, one at a time", "requests": n, "rps": n / seconds,
+            "us_client": 1e6 * cpu / n,
+            "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
+            "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}
+
+
+async def run_async_one_at_a_time(url: str, n: int, queue: str) -> dict[str, Any]:
+    async with AsyncClient(url, queue) as client:
+        await client.map(range(200))
+        cpu, started = common.cpu_seconds(), time.perf_counter()
+        for i in range(n):
+            assert (await client.submit(i, timeout=60)).ok, "a no-op request failed"
+        seconds, cpu = time.perf_counter() - started, common.cpu_seconds() - cpu
+    return {"api": "AsyncClient.submit, one at a time", "requests": n, "rps": n / seconds,
+            "us_client": 1e6 * cpu / n}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, help="requests per run (default 100,000)")
@@ -84,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             common.log(f"client cost: {n:,} no-op requests, run {i + 1} ...")
             rows += [{"run": i + 1, **row} for row in run(url, n, queue=f"client-cost-{i}")]
     text = common.table(rows, COLUMNS)
-    print(f"\n## Client cost: Client.map and AsyncClient.map, no-op runner ({common.machine()})\n\n{text}\n")
+    print(f"\n## Client cost: Client and AsyncClient, in bulk (map) and one at a time, no-op runner ({common.machine()})\n\n{text}\n")
     common.save("client_cost", {"machine": common.machine(), "rows": rows})
     return {"rows": rows, "table": text}
 
