@@ -99,13 +99,12 @@ FAULTS: tuple[Fault, ...] = (
           (SCRIPTS + "test_retry_back_off_doubles_up_to_sixty_seconds",)),
     # -- results and streams ---------------------------------------------------------------
     Fault("delivered results are kept", "producer/replies.py",
-          "        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]\n"
-          "        if ids and self._on_delivered is not None:\n            try:\n"
-          "                self._on_delivered(ids)",
-          "        ids = [r.id for r in results if r.status not in (DEAD, CANCELLED)]\n"
-          "        if ids and self._on_delivered is not None:\n            try:\n"
-          "                pass",
+          "        return ids if deletes_delivered() else []", "        return []",
           ("tests/test_memory.py::test_delivered_results_are_deleted_unless_the_queue_keeps_them",)),
+    Fault("a reply read forgets to delete what the last one delivered", "batching/calls.py",
+          '        pipe.execute_command("DEL", *forget)', "        pass",
+          ("tests/test_replies.py::test_a_read_takes_each_list_in_order_and_deletes_what_it_was_given",
+           "tests/test_memory.py::test_delivered_results_are_deleted_unless_the_queue_keeps_them")),
     Fault("streams are not trimmed", "batching/streams.py",
           "pipe.xadd(key, fields, maxlen=MAXLEN, approximate=True)", "pipe.xadd(key, fields)",
           (SCRIPTS + "test_a_stream_is_trimmed_and_expires",)),
