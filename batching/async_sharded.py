@@ -137,5 +137,6 @@ class AsyncShardedQueue:
         shards = self.shards
         forgotten = [shards[shard_of(i, len(shards))].keys.result(i) for i in forget]
         pipe = self.client.pipeline(transaction=False)
-        reply_read(pipe, keys, block_s, most, forgotten)
-        return parse_reply_read(await pipe.execute(), forgotten)
+        reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        replies = await pipe.execute(raise_on_error=False)
+        return parse_reply_read(replies, forgotten, self.cluster)

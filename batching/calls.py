@@ -9,6 +9,7 @@ script answers with is read into named values (``Failed``, ``Cancelled``, ``Clai
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged
 
+log = logging.getLogger(__name__)
 RETRY_BACKOFF_BASE_MS = 500   # a failed request's first retry after half a second: a blip passes
 RETRY_BACKOFF_CAP_MS = 60_000  # ... doubling up to a minute
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
@@ -332,14 +334,19 @@ def revive_call(k: Keys, ids: Sequence[str]) -> Call:
 
 
 def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
-               forget: Sequence[str] = ()) -> None:
+               forget: Sequence[str] = (), cluster: bool = False) -> None:
     """A client's read of its reply lists in one round trip, queued on ``pipe`` (a
-    pipeline, not a transaction): the DEL of ``forget`` (result keys the last read
-    delivered: QueueSettings.delete_delivered), a BLPOP of up to ``block_s`` on
-    ``reply_keys``, then an LPOP of each list (up to ``most`` results in all). Redis runs
-    a connection's commands in order, so the LPOPs run as soon as the BLPOP answers or
-    times out: what was pushed meanwhile comes along. parse_reply_read reads the answer."""
-    if forget:  # (one DEL: on a Cluster the reader's results share its list's slot)
+    pipeline, not a transaction; run it with raise_on_error=False): the DEL of ``forget``
+    (result keys the last read delivered: QueueSettings.delete_delivered), a BLPOP of up
+    to ``block_s`` on ``reply_keys``, then an LPOP of each list (up to ``most`` results in
+    all). Redis runs a connection's commands in order, so the LPOPs run as soon as the
+    BLPOP answers or times out: what was pushed meanwhile comes along. On a Cluster each
+    key is its own DEL (routed by its slot: a result read after the shard count changed
+    may live in another slot than the list it came on). parse_reply_read reads the answer."""
+    if forget and cluster:
+        for key in forget:
+            pipe.execute_command("DEL", key)
+    elif forget:
         pipe.execute_command("DEL", *forget)
     pipe.blpop(list(reply_keys), timeout=block_s)
     share = max(1, (most - 1) // len(reply_keys))
@@ -347,12 +354,25 @@ def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
         pipe.lpop(key, share)
 
 
-def parse_reply_read(replies: list[Any], forget: Sequence[str] = ()) -> list[Result]:
-    """The results of a reply_read, in the order they were pushed on each list."""
-    first, *rest = replies[1:] if forget else replies
-    raws = [first[1]] if first else []
+def parse_reply_read(replies: list[Any], forget: Sequence[str] = (),
+                     cluster: bool = False) -> list[Result]:
+    """The results of a reply_read, in the order they were pushed on each list. A DEL that
+    failed is logged (the results expire after result_ttl); a pop that failed raises,
+    unless another pop of the read took something: that is returned, not dropped (the
+    failing pop fails again on the next read)."""
+    dels = len(forget) if cluster else int(bool(forget))
+    failed = [r for r in replies[:dels] if isinstance(r, Exception)]
+    if failed:
+        log.warning("deleting delivered results failed (%s); they expire after their "
+                    "result_ttl", failed[0])
+    first, *rest = replies[dels:]
+    raws = [first[1]] if first and not isinstance(first, Exception) else []
     for popped in rest:
-        raws += popped or []
+        if popped and not isinstance(popped, Exception):
+            raws += popped
+    error = next((r for r in replies[dels:] if isinstance(r, Exception)), None)
+    if error is not None and not raws:
+        raise error
     return Result.from_json_many(raws)
 
 

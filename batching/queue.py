@@ -122,7 +122,7 @@ class RequestQueue(QueueInspection):
         then takes up to ``most`` in all (calls.reply_read)."""
         pipe = self.client.pipeline(transaction=False)
         reply_read(pipe, [self.keys.reply(client_id)], block_s, most)
-        return parse_reply_read(pipe.execute())
+        return parse_reply_read(pipe.execute(raise_on_error=False))
 
     def forget_results(self, ids: Sequence[str]) -> None:
         """Delete results that reached their reader (QueueSettings.delete_delivered)."""

@@ -131,8 +131,9 @@ class ProducerCalls(ShardLayout):
         keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
         pipe = self.client.pipeline(transaction=False)
         forgotten = [self.shard(i).keys.result(i) for i in forget]
-        reply_read(pipe, keys, block_s, most, forgotten)
-        return parse_reply_read(pipe.execute(), forgotten)
+        reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        replies = pipe.execute(raise_on_error=False)
+        return parse_reply_read(replies, forgotten, self.cluster)
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]

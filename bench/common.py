@@ -185,7 +185,8 @@ def tree_cpu_seconds(pid: int) -> float:
     total, pids = 0.0, [pid]
     while pids:
         p = pids.pop()
-        total += cpu_seconds(p)
+        spent = cpu_seconds(p)
+        total += spent if spent == spent else 0.0  # NaN: it exited as it was read
         try:
             pids += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
         except OSError:

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -82,6 +83,11 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
     check_port_free(host, port)
     settings = ServeSettings(tuple(check_queue_name(q) for q in queues), keys_file,
                              files_dir or default_files_dir(), jobs_queue, redis_url, cluster)
+    try:
+        Path(settings.files_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--files-dir {settings.files_dir}: cannot create it "
+                          f"({exc.strerror}); give a directory this user can write") from None
     probe = RedisSettings.from_url(redis_url, cluster=cluster).client()
     try:
         probe.ping()
@@ -105,6 +111,7 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
     if processes == 1:
         uvicorn.run(build_app(settings), **listen)
         return
+    build_app(settings)  # what would fail in each process fails here, once, not in restarts
     # uvicorn binds the port here and starts the processes, each importing the app's factory
     os.environ[ENV_SERVE_SETTINGS] = json.dumps(asdict(settings))
     uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=processes, **listen)

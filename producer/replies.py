@@ -34,6 +34,9 @@ from batchery.connection import Backoff
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
 DRAIN = 1000       # results popped per round trip once one arrived
+# what a read may raise and its reader outlives: Redis' errors, and redis-py's refusals of
+# a Cluster command (not a RedisError)
+READ_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 class ReplyListener:
@@ -142,7 +145,7 @@ class ReplyListener:
                                                  forget)
                 forget = to_delete(self.deliver_many(popped), self._deletes_delivered)
                 backoff.reset()
-            except redis.RedisError as exc:  # Redis restarting: wait and carry on
+            except READ_ERRORS as exc:  # Redis restarting: wait and carry on
                 forget = []  # (never retried: they expire after result_ttl anyway)
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
@@ -256,7 +259,7 @@ class AsyncReplyListener:
                 forget = to_delete([r for r in popped if self.deliver(r)],
                                    self._deletes_delivered)
                 backoff.reset()
-            except redis.RedisError as exc:
+            except READ_ERRORS as exc:
                 forget = []  # as ReplyListener's
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)

@@ -267,12 +267,12 @@ def test_several_processes_serve_one_port_and_a_dead_one_is_replaced(gateway, qu
         first = _served_by(served.proc.pid)
         one = sdk.embeddings.create(model=queues["embed"], input="hello world")
         assert np.allclose(one.data[0].embedding, expected, atol=1e-6)
-        killed = min(first)
-        os.kill(killed, signal.SIGKILL)
-        wait_for(lambda: len(_served_by(served.proc.pid) - first) == 1
-                 and len(_served_by(served.proc.pid)) == 2, 60, 0.1,
-                 message="the dead process replaced")
-        for _ in range(8):  # new connections each: whichever process accepts, it answers
+        for n, killed in enumerate(sorted(first), 1):  # one, then the other: all replaced
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: len(_served_by(served.proc.pid) - first) == n
+                     and len(_served_by(served.proc.pid)) == 2, 60, 0.1,
+                     message="the dead process replaced")
+        for _ in range(8):  # only replacements serve now: new connections, each answered
             with served.client() as fresh:
                 again = fresh.embeddings.create(model=queues["embed"], input="hello world")
             assert np.allclose(again.data[0].embedding, expected, atol=1e-6)
@@ -282,3 +282,15 @@ def test_several_processes_serve_one_port_and_a_dead_one_is_replaced(gateway, qu
                  or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower(), 30, 0.1,
                  message=f"serving process {pid} stopped with the command")
     assert "Traceback" not in served.log.read_text()
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_files_dir_that_cannot_be_made_is_a_clear_error(redis_server, tmp_path,
+                                                          processes) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    refused = run_cli("serve", "--port", "1", "--processes", processes, "--files-dir",
+                      str(blocker / "files"), redis_url=redis_server.url)
+    assert refused.returncode == 2, refused.stderr
+    assert "--files-dir" in refused.stderr and "cannot create it" in refused.stderr
+    assert "Traceback" not in refused.stderr

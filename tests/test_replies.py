@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -50,3 +51,36 @@ def test_a_read_takes_each_list_in_order_and_deletes_what_it_was_given(
         assert [g for g in got if g in t] == t  # each list's in the order pushed
     for key in lists:
         rconn.delete(key)
+
+
+def test_a_failed_pop_keeps_what_the_others_took_and_a_failed_delete_loses_nothing(
+        rconn: redis.Redis, redis_url: str) -> None:
+    tag = uuid.uuid4().hex[:10]
+    broken, good = f"replies:{tag}:broken", f"replies:{tag}:good"
+    rconn.set(broken, "not a list")  # every pop of it fails (WRONGTYPE)
+    rconn.rpush(good, *(Result(f"g{i}", "ok", i).to_json() for i in range(3)))
+
+    def read(conn: redis.Redis, forget: tuple[str, ...] = ()) -> list[str]:
+        pipe = conn.pipeline(transaction=False)
+        reply_read(pipe, [broken, good], 0.01, 100, forget)
+        return [r.id for r in parse_reply_read(pipe.execute(raise_on_error=False), forget)]
+
+    assert read(rconn) == ["g0", "g1", "g2"]  # the good list's, though the BLPOP failed
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        read(rconn)  # nothing taken: the failure is the caller's to back off from
+
+    # a reader whose DEL is refused (an ACL without it) still gets its results
+    user = f"nodel-{tag}"
+    rconn.acl_setuser(user, enabled=True, passwords=["+pw"], commands=["+@all", "-del"],
+                      keys=["*"], channels=["*"])
+    try:
+        limited = redis.Redis.from_url(redis_url.replace("redis://", f"redis://{user}:pw@"),
+                                       decode_responses=True)
+        rconn.rpush(good, Result("g3", "ok", 3).to_json())
+        rconn.set(f"result:{tag}", "delivered")
+        assert read(limited, (f"result:{tag}",)) == ["g3"]
+        assert rconn.exists(f"result:{tag}") == 1  # kept: it expires after its result_ttl
+        limited.close()
+    finally:
+        rconn.acl_deluser(user)
+        rconn.delete(broken, good)
