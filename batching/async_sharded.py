@@ -134,9 +134,8 @@ class AsyncShardedQueue:
                           forget: Sequence[str] = ()) -> list[Result]:
         """As ShardedQueue.pop_replies."""
         keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
-        shards = self.shards
-        forgotten = [shards[shard_of(i, len(shards))].keys.result(i) for i in forget]
+        forgotten = [self.keys_for(i).result(i) for i in forget]
         pipe = self.client.pipeline(transaction=False)
-        reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        deletes = reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
         replies = await pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, forgotten, self.cluster)
+        return parse_reply_read(replies, deletes)

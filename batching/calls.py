@@ -334,7 +334,7 @@ def revive_call(k: Keys, ids: Sequence[str]) -> Call:
 
 
 def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
-               forget: Sequence[str] = (), cluster: bool = False) -> None:
+               forget: Sequence[str] = (), cluster: bool = False) -> int:
     """A client's read of its reply lists in one round trip, queued on ``pipe`` (a
     pipeline, not a transaction; run it with raise_on_error=False): the DEL of ``forget``
     (result keys the last read delivered: QueueSettings.delete_delivered), a BLPOP of up
@@ -342,35 +342,34 @@ def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
     all). Redis runs a connection's commands in order, so the LPOPs run as soon as the
     BLPOP answers or times out: what was pushed meanwhile comes along. On a Cluster each
     key is its own DEL (routed by its slot: a result read after the shard count changed
-    may live in another slot than the list it came on). parse_reply_read reads the answer."""
-    if forget and cluster:
-        for key in forget:
-            pipe.execute_command("DEL", key)
-    elif forget:
-        pipe.execute_command("DEL", *forget)
+    may live in another slot than the list it came on). Returns how many DELs lead the
+    replies, for parse_reply_read."""
+    deletes = ([[key] for key in forget] if cluster else [list(forget)]) if forget else []
+    for keys in deletes:
+        pipe.execute_command("DEL", *keys)
     pipe.blpop(list(reply_keys), timeout=block_s)
     share = max(1, (most - 1) // len(reply_keys))
     for key in reply_keys:
         pipe.lpop(key, share)
+    return len(deletes)
 
 
-def parse_reply_read(replies: list[Any], forget: Sequence[str] = (),
-                     cluster: bool = False) -> list[Result]:
-    """The results of a reply_read, in the order they were pushed on each list. A DEL that
-    failed is logged (the results expire after result_ttl); a pop that failed raises,
-    unless another pop of the read took something: that is returned, not dropped (the
-    failing pop fails again on the next read)."""
-    dels = len(forget) if cluster else int(bool(forget))
-    failed = [r for r in replies[:dels] if isinstance(r, Exception)]
+def parse_reply_read(replies: list[Any], deletes: int = 0) -> list[Result]:
+    """The results of a reply_read whose first ``deletes`` replies are its DELs, in the
+    order they were pushed on each list. A DEL that failed is logged (the results expire
+    after result_ttl); a pop that failed raises, unless another pop of the read took
+    something: that is returned, not dropped (the failing pop fails again on the next
+    read)."""
+    failed = [r for r in replies[:deletes] if isinstance(r, Exception)]
     if failed:
         log.warning("deleting delivered results failed (%s); they expire after their "
                     "result_ttl", failed[0])
-    first, *rest = replies[dels:]
+    first, *rest = replies[deletes:]
     raws = [first[1]] if first and not isinstance(first, Exception) else []
     for popped in rest:
         if popped and not isinstance(popped, Exception):
             raws += popped
-    error = next((r for r in replies[dels:] if isinstance(r, Exception)), None)
+    error = next((r for r in replies[deletes:] if isinstance(r, Exception)), None)
     if error is not None and not raws:
         raise error
     return Result.from_json_many(raws)

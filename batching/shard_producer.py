@@ -130,10 +130,10 @@ class ProducerCalls(ShardLayout):
         Redis) or be one (a Cluster: one reader per shard, whose results are its own)."""
         keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
         pipe = self.client.pipeline(transaction=False)
-        forgotten = [self.shard(i).keys.result(i) for i in forget]
-        reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        forgotten = [self.keys_for(i).result(i) for i in forget]
+        deletes = reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
         replies = pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, forgotten, self.cluster)
+        return parse_reply_read(replies, deletes)
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]

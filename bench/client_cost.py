@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from batchery import AsyncClient, Client
 from bench import common
@@ -44,62 +44,55 @@ def thread_cpu() -> dict[str, float]:
 
 
 def run(url: str, n: int, queue: str = "client-cost") -> list[dict[str, Any]]:
+    single = max(100, n // 100)  # requests sent one at a time
     worker = common.batchery_worker(url, queue, "--runner", "bench.runners:noop",
                                     "--max-batch-size", "1024", "--max-wait-ms", "0")
     try:
         with Client(url, queue) as client:
             common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
             client.map(range(2000))  # warm: scripts loaded, listener up
-            threads, cpu = thread_cpu(), common.cpu_seconds()
-            started = time.perf_counter()
-            results = client.map(range(n))
-            seconds = time.perf_counter() - started
-            cpu, after = common.cpu_seconds() - cpu, thread_cpu()
-            spent = {name: after[name] - threads.get(name, 0.0) for name in after}
-            rows = [{"api": "Client.map", "requests": n, "rps": n / seconds,
-                     "us_client": 1e6 * cpu / n,
-                     "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
-                     "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}]
-            assert all(r.ok for r in results), "a no-op request failed"
-            rows.append(one_at_a_time(client, max(100, n // 100)))
-        rows.append(asyncio.run(run_async(url, n, queue)))
-        rows.append(asyncio.run(run_async_one_at_a_time(url, max(100, n // 100), queue)))
+            rows = [by_thread("Client.map", n, lambda: all(r.ok for r in client.map(range(n)))),
+                    by_thread("Client, one at a time", single, lambda: all(
+                        client.enqueue(i).result(timeout=60).ok for i in range(single)))]
+        rows += asyncio.run(run_async(url, n, single, queue))
     finally:
         common.stop([worker])
     return rows
 
 
-async def run_async(url: str, n: int, queue: str) -> dict[str, Any]:
+async def run_async(url: str, n: int, single: int, queue: str) -> list[dict[str, Any]]:
+    """AsyncClient's rows: n requests by map, ``single`` by submit one at a time (one
+    event loop thread: no split by thread)."""
+    async def timed(api: str, count: int, requests: Callable[[], Awaitable[bool]]
+                    ) -> dict[str, Any]:
+        cpu, started = common.cpu_seconds(), time.perf_counter()
+        assert await requests(), "a no-op request failed"
+        seconds, cpu = time.perf_counter() - started, common.cpu_seconds() - cpu
+        return {"api": api, "requests": count, "rps": count / seconds,
+                "us_client": 1e6 * cpu / count}
+
+    async def bulk() -> bool:
+        return all(r.ok for r in await client.map(range(n)))
+
+    async def one_at_a_time() -> bool:
+        return all([(await client.submit(i, timeout=60)).ok for i in range(single)])
+
     async with AsyncClient(url, queue) as client:
         await client.map(range(2000))
-        cpu, started = common.cpu_seconds(), time.perf_counter()
-        results = await client.map(range(n))
-        seconds, cpu = time.perf_counter() - started, common.cpu_seconds() - cpu
-    assert all(r.ok for r in results), "a no-op request failed"
-    return {"api": "AsyncClient.map", "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n}
+        return [await timed("AsyncClient.map", n, bulk),
+                await timed("AsyncClient.submit, one at a time", single, one_at_a_time)]
 
 
-def one_at_a_time(client: Client, n: int) -> dict[str, Any]:
+def by_thread(api: str, n: int, requests: Callable[[], bool]) -> dict[str, Any]:
+    """A row of ``requests()`` (its n requests; True: all ok): the process's CPU per
+    request, and the caller's and the reply listener's threads' shares."""
     threads, cpu, started = thread_cpu(), common.cpu_seconds(), time.perf_counter()
-    for i in range(n):
-        assert client.enqueue(i).result(timeout=60).ok, "a no-op request failed"
+    assert requests(), "a no-op request failed"
     seconds, cpu, after = time.perf_counter() - started, common.cpu_seconds() - cpu, thread_cpu()
     spent = {name: after[name] - threads.get(name, 0.0) for name in after}
-    return {"api": "Client, one at a time", "requests": n, "rps": n / seconds,
-            "us_client": 1e6 * cpu / n,
+    return {"api": api, "requests": n, "rps": n / seconds, "us_client": 1e6 * cpu / n,
             "us_caller": 1e6 * spent.get(threading.main_thread().name, 0.0) / n,
             "us_replies": 1e6 * spent.get("batchery-replies", 0.0) / n}
-
-
-async def run_async_one_at_a_time(url: str, n: int, queue: str) -> dict[str, Any]:
-    async with AsyncClient(url, queue) as client:
-        await client.map(range(200))
-        cpu, started = common.cpu_seconds(), time.perf_counter()
-        for i in range(n):
-            assert (await client.submit(i, timeout=60)).ok, "a no-op request failed"
-        seconds, cpu = time.perf_counter() - started, common.cpu_seconds() - cpu
-    return {"api": "AsyncClient.submit, one at a time", "requests": n, "rps": n / seconds,
-            "us_client": 1e6 * cpu / n}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -108,10 +108,10 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
                    f"keys configured, so it listens on {host} only and takes any key", err=True)
     listen = {"host": host, "port": port, "log_level": "warning", "access_log": False,
               "timeout_keep_alive": KEEP_ALIVE_S}
+    app = build_app(settings)  # with N processes, what would fail in each fails here, once
     if processes == 1:
-        uvicorn.run(build_app(settings), **listen)
+        uvicorn.run(app, **listen)
         return
-    build_app(settings)  # what would fail in each process fails here, once, not in restarts
     # uvicorn binds the port here and starts the processes, each importing the app's factory
     os.environ[ENV_SERVE_SETTINGS] = json.dumps(asdict(settings))
     uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=processes, **listen)

@@ -34,8 +34,8 @@ def test_a_read_takes_each_list_in_order_and_deletes_what_it_was_given(
         rconn.set(key, "delivered")
 
     pipe = rconn.pipeline(transaction=False)
-    reply_read(pipe, lists, 0.01, most, forget)
-    got = [r.id for r in parse_reply_read(pipe.execute(), forget)]
+    deletes = reply_read(pipe, lists, 0.01, most, forget)
+    got = [r.id for r in parse_reply_read(pipe.execute(), deletes)]
 
     assert rconn.exists(*forget) == 0 if forget else True
     left = [[Result.from_json(raw).id for raw in rconn.lrange(key, 0, -1)] for key in lists]
@@ -62,8 +62,8 @@ def test_a_failed_pop_keeps_what_the_others_took_and_a_failed_delete_loses_nothi
 
     def read(conn: redis.Redis, forget: tuple[str, ...] = ()) -> list[str]:
         pipe = conn.pipeline(transaction=False)
-        reply_read(pipe, [broken, good], 0.01, 100, forget)
-        return [r.id for r in parse_reply_read(pipe.execute(raise_on_error=False), forget)]
+        deletes = reply_read(pipe, [broken, good], 0.01, 100, forget)
+        return [r.id for r in parse_reply_read(pipe.execute(raise_on_error=False), deletes)]
 
     assert read(rconn) == ["g0", "g1", "g2"]  # the good list's, though the BLPOP failed
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):

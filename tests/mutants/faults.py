@@ -102,7 +102,7 @@ FAULTS: tuple[Fault, ...] = (
           "        return ids if deletes_delivered() else []", "        return []",
           ("tests/test_memory.py::test_delivered_results_are_deleted_unless_the_queue_keeps_them",)),
     Fault("a reply read forgets to delete what the last one delivered", "batching/calls.py",
-          '        pipe.execute_command("DEL", *forget)', "        pass",
+          '        pipe.execute_command("DEL", *keys)', "        pass",
           ("tests/test_replies.py::test_a_read_takes_each_list_in_order_and_deletes_what_it_was_given",
            "tests/test_memory.py::test_delivered_results_are_deleted_unless_the_queue_keeps_them")),
     Fault("streams are not trimmed", "batching/streams.py",
