@@ -1,16 +1,18 @@
 """redis-server's instructions per request, by part: a count that a shared machine's noise
 does not move, for comparing two versions of the scripts.
 
-``python -m bench.redis_instructions [-n N] [--backlog B]`` starts a private redis-server
+``python -m bench.redis_instructions [-n N] [--backlog B] [--exact]`` starts a private redis-server
 under valgrind's callgrind (it must be installed) and drives the scripts in the shapes
 the defaults give them, one call at a time: enqueues of 500, claims of 64 by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
 commits of 64 with the worker holding two batches, result delivery as the Client does
 it (pop the reply list, delete the results read), B requests (default 1,000) standing
-in the queue throughout, as in ``bench.redis_time``'s run. After each call it has
+in the queue throughout, as in ``bench.redis_time``'s run; ``--exact``: the producer
+counts tokens, as one with transformers does (else it estimates). After each call it has
 callgrind write out and zero its counts, and it sums them by part: instructions per
-request of enqueue, claim, commit and delivery. Run it in two worktrees to compare:
-the counts repeat to within a percent or two, where CPU time on a busy machine moves
+request of enqueue, claim, commit and delivery, and of its unit, a pipelined ZADD (a
+new member each, 1,000 to a pipeline), in whose worth it gives them too. Run it in two
+worktrees to compare: the counts repeat to within a percent or two, where CPU time on a busy machine moves
 by tens. (Instructions are not time: a listpack's scan runs more of them per
 nanosecond than Lua does. ``bench.redis_time`` gives the time.)
 """
@@ -39,14 +41,18 @@ DEFAULTS = WorkerOptions()  # the worker's defaults: the claims' shape
 ENQUEUE_BATCH = 500  # Client.map's requests per enqueue call
 HELD = 2  # batches a worker holds at once (one running, one claimed ahead)
 PARTS = ("enqueue", "claim", "commit", "delivery")
+ZADDS = 1000  # the unit's pipeline, as bench.redis_time times it
 
 
-def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
-    """n requests through the scripts; ``dump(part)`` after each call."""
+def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bool = False) -> None:
+    """n requests through the scripts; ``dump(part)`` after each call. ``exact``: the
+    producer counts tokens (as one with transformers does), else it estimates."""
+    priced = {"tokens": 1} if exact else {}
     conn = redis.Redis.from_url(url, decode_responses=True)
     queue = RequestQueue(conn, "instructions")
     for lo in range(0, backlog, ENQUEUE_BATCH):
-        queue.enqueue([Request(id=f"b{i}", input=i) for i in range(lo, min(backlog, lo + ENQUEUE_BATCH))],
+        queue.enqueue([Request(id=f"b{i}", input=i, **priced)
+                       for i in range(lo, min(backlog, lo + ENQUEUE_BATCH))],
                       "bench")
     dump("")  # the backlog's enqueues are not counted
     ahead: list[Any] = []
@@ -58,7 +64,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
                            DEFAULTS.claim_lookahead, True, counts)
     for lo in range(0, n, ENQUEUE_BATCH):
         size = min(ENQUEUE_BATCH, n - lo)
-        queue.enqueue([Request(id=f"r{i}", input=i) for i in range(lo, lo + size)], "bench")
+        queue.enqueue([Request(id=f"r{i}", input=i, **priced) for i in range(lo, lo + size)], "bench")
         dump("enqueue")
         got, held = 0, []
         while got < size or held:
@@ -116,7 +122,7 @@ def dumped_counts(pattern: str) -> dict[str, int]:
     return totals
 
 
-def count(n: int, backlog: int) -> dict[str, float]:
+def count(n: int, backlog: int, exact: bool = False) -> dict[str, float]:
     """Instructions per request of each part, from callgrind's dumps."""
     folder, port = tempfile.mkdtemp(prefix="batchery-instructions-"), common.free_port()
     out = os.path.join(folder, "callgrind.out")
@@ -128,12 +134,20 @@ def count(n: int, backlog: int) -> dict[str, float]:
     try:
         common.wait_until(lambda: common.pings(redis.Redis(port=port)), 60, "redis-server")
         drive(url, 1000, 0, lambda part: None)  # warm: scripts loaded
-        redis.Redis(port=port).flushdb()
+        conn = redis.Redis(port=port)
+        conn.flushdb()
 
         def dump(part: str) -> None:
             callgrind_dump(proc.pid, part or "skip")
         dump("")
-        drive(url, n, backlog, dump)
+        zadds = conn.pipeline(transaction=False)  # the unit: pipelined ZADDs, a new member each
+        for i in range(ZADDS):
+            zadds.zadd("unit", {f"m{i}": i})
+        zadds.execute()
+        dump("zadd")
+        conn.delete("unit")
+        dump("")
+        drive(url, n, backlog, dump, exact)
     finally:
         proc.kill()
         proc.wait(30)
@@ -141,6 +155,7 @@ def count(n: int, backlog: int) -> dict[str, float]:
     shutil.rmtree(folder, ignore_errors=True)
     used = {part: totals.get(part, 0) / n for part in PARTS}
     used["all"] = sum(used.values())
+    used["zadd"] = totals.get("zadd", 0) / ZADDS
     return used
 
 
@@ -148,13 +163,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
     p.add_argument("--backlog", type=int, default=1000, help="requests standing in the queue")
+    p.add_argument("--exact", action="store_true",
+                   help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
-    used = count(args.n, args.backlog)
+    used = count(args.n, args.backlog, args.exact)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
-          f"{args.backlog:,}; {common.machine()}):\n")
-    print(common.table([{"part": k, "ir": v} for k, v in used.items()],
-                       [("part", "part", ""), ("ir", "instructions per request", ",.0f")]))
-    common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, **used})
+          f"{args.backlog:,}; the producer {'counts tokens' if args.exact else 'estimates'}; "
+          f"{common.machine()}):\n")
+    zadd = used["zadd"]
+    rows = [{"part": part, "ir": used[part], "zadds": used[part] / zadd} for part in (*PARTS, "all")]
+    print(common.table(rows, [("part", "part", ""), ("ir", "instructions per request", ",.0f"),
+                              ("zadds", "pipelined ZADDs' worth", ".1f")]))
+    print(f"\n(a pipelined ZADD of a new member, {ZADDS:,} to a pipeline: {zadd:,.0f} instructions)")
+    common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, "exact": args.exact,
+                                       **used})
     return used
 
 

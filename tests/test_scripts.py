@@ -303,6 +303,29 @@ def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> Non
     assert plain.batch == [] and plain.price_ahead == []
 
 
+def test_what_a_claim_prices_ahead_follows_what_its_candidates_were(queue: RequestQueue) -> None:
+    """All of a claim's candidates estimated: the next batch's worth is handed ahead as it
+    stands (an exact one among them is counted again, and that count ignored); a mix:
+    only the estimated ones among them; none estimated: nothing is handed ahead, and a
+    claim of exact requests needs no pricing round."""
+    def request(i: int, exact: bool) -> Request:
+        return Request.validated(id=f"r{i}", input="abcdefgh"[i], **({"tokens": 1} if exact else {}))
+    queue.enqueue([request(i, exact) for i, exact in enumerate([0, 0, 1, 0, 0, 1, 1, 1])])
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in priced.to_price])
+    assert [r.id for r in first.batch] == ["r0", "r1"]
+    assert first.price_ahead == [("r2", "c"), ("r3", "d")]  # all estimated: as it stands
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True,
+                         counts=[("r2", 99), ("r3", 1)])
+    assert [(r.id, r.tokens) for r in second.batch] == [("r2", 1), ("r3", 1)]
+    assert second.price_ahead == [("r4", "e")]  # a mix: the estimated one of r4, r5
+    third = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True, counts=[("r4", 1)])
+    assert [r.id for r in third.batch] == ["r4", "r5"] and third.price_ahead == []
+    fourth = queue.claim("w#4", 2, 10_000, 0, 10, price_estimates=True)
+    assert [r.id for r in fourth.batch] == ["r6", "r7"] and fourth.price_ahead == []
+
+
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400))
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch

@@ -121,14 +121,14 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
     for i = 1, n do reply[r + i] = values[i] or false end
     r = r + n
   end
-  ahead = ahead or {}
-  local m = #ahead
-  for i = 1, m do reply[r + i] = ahead[i] end
+  -- the ones priced ahead: ids, then payloads (one gone since it was read is left out)
+  local m, payloads = 0, (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
+  for i, payload in ipairs(payloads) do
+    if payload then m = m + 1; reply[r + m] = ahead[i] end
+  end
   r = r + m
-  if m > 0 then
-    local payloads = rcall('HMGET', K.requests, unpack(ahead))
-    for i = 1, m do reply[r + i] = payloads[i] end
-    r = r + m
+  for _, payload in ipairs(payloads) do
+    if payload then r = r + 1; reply[r] = payload end
   end
   reply[r + 1] = m
   return reply
@@ -377,6 +377,7 @@ local scheds = rcall('HMGET', K.sched, unpack(ids))
 -- claim's time: lengths and delays are converted once per distinct text (requests
 -- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
+local n_scheds, n_priced = 0, 0  -- candidates with an entry; of them, priced by estimate
 local length_of, delay_of, head_enq = {}, {}, nil
 -- (an entry holds no id: the requests of one enqueue call mostly share it, so each distinct
 -- entry is matched once)
@@ -396,6 +397,8 @@ local function scan(first)
     if scheds[i] then
       local f = fields_of[scheds[i]] or sched_fields(scheds[i])
       mark, tokens, expire, enq_rank = f[1], f[2], f[3], f[4]
+      n_scheds = n_scheds + 1
+      if mark == '~' then n_priced = n_priced + 1 end
       if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
         mark, tokens = '', counted[id]
         local exact = f[6][tokens]  -- the entry with this count, built once per count
@@ -535,12 +538,18 @@ rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = 
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
 -- its next claim will read (a batch's worth from the new head). A candidate taken by
 -- another worker in between costs nothing but its count's bytes; one still estimated
--- when the next claim comes gets the pricing round as before.
+-- when the next claim comes gets the pricing round as before. What this claim's
+-- candidates were says what the next ones likely are, so their entries are read only
+-- when that is in doubt: none estimated (producers that count exactly), nothing is
+-- handed ahead; all estimated (producers that estimate), the next batch's worth as it
+-- stands (one counted already is counted again, and its count ignored); a mix, the
+-- estimated ones among them, by their entries.
 local ahead = {}
-if price_estimates then
-  local next_ids = pending_ids(0, window)
-  if #next_ids > 0 then
-    local next_scheds = rcall('HMGET', K.sched, unpack(next_ids))
+if price_estimates and n_priced > 0 then
+  ahead = pending_ids(0, window)
+  if n_priced < n_scheds and #ahead > 0 then
+    local next_ids, next_scheds = ahead, rcall('HMGET', K.sched, unpack(ahead))
+    ahead = {}
     for n, id in ipairs(next_ids) do
       if next_scheds[n] and string.byte(next_scheds[n], 1) == 126 then ahead[#ahead + 1] = id end  -- '~'
     end
