@@ -22,6 +22,11 @@ in pipelined-ZADD equivalents: the CPU of one ``ZADD key score member`` sent 1,0
 pipeline on the same server, the unit of the issue's floor (one hash write, one sorted-set
 add, one claim, one result write, one delivery: a few ZADDs).
 
+``--producer-first``: each run enqueues its N requests first (500 a call, as ``Client.map``),
+then starts the worker and waits for the results. ``--exact``: the producer sends each
+request's count, as one with the queue's tokenizer does (by default it estimates, as one
+without transformers: the no-op queue names no tokenizer).
+
 ``python -m bench.redis_time --phases [-n N] [--repeat R]`` measures the parts one at a time
 instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
 1024, lookahead 4096, as a worker that counts tokens: the estimated candidates handed to
@@ -42,6 +47,7 @@ from batchery.batching.keys import Keys
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
+from batchery.producer.client import ENQUEUE_CHUNK
 from bench import common
 
 # entries kept: a 100,000-request run logs about 800,000 (its ~1,500 top-level calls and
@@ -205,29 +211,55 @@ def zadd_us(url: str, n: int = 200_000) -> float:
     return used
 
 
-def end_to_end(url: str, client: Client, n: int, split: bool) -> dict[str, Any]:
-    """One ``Client.map`` of n no-op requests through the worker: redis-server CPU us per
-    request (/proc), and with ``split`` the slow log's split by part."""
+def end_to_end(url: str, client: Client, n: int, split: bool, exact: bool = False,
+               producer_first: bool = False) -> dict[str, Any]:
+    """n no-op requests through a worker: redis-server CPU us per request (/proc), and with
+    ``split`` the slow log's split by part. ``Client.map`` to a worker already serving;
+    ``producer_first``: every request enqueued (``enqueue_many``), then the worker started,
+    the results awaited; ``exact``: each request with its count, as a producer with the
+    queue's tokenizer sends it (else priced by estimate)."""
     pid = common.redis_pid(url)
     before = common.cpu_seconds(pid)
+    worker = None
     with RedisTime(url, E2E_QUEUE, enabled=split) as timing:
-        results = client.map(range(n))
+        if producer_first:
+            priced = {"tokens": 1} if exact else {}
+            handles = [h for lo in range(0, n, ENQUEUE_CHUNK)  # Client.map's calls
+                       for h in client.enqueue_many({"input": i, **priced}
+                                                    for i in range(lo, min(n, lo + ENQUEUE_CHUNK)))]
+            worker = noop_worker(url)
+            results = [h.result(timeout=600) for h in handles]
+        elif exact:
+            results = list(client.stream({"input": i, "tokens": 1} for i in range(n)))
+        else:
+            results = client.map(range(n))
     used = 1e6 * (common.cpu_seconds(pid) - before) / n
-    assert all(r.ok for r in results), "a no-op request failed"
+    if worker:
+        common.stop([worker])
+    assert len(results) == n and all(r.ok for r in results), "a no-op request failed"
     return {"us": used, "split": timing.report(n) if split else None}
 
 
-def defaults_run(n: int, repeat: int) -> dict[str, Any]:
+def noop_worker(url: str) -> Any:
+    """``batchery worker --runner bench.runners:noop``, no other flag."""
+    return common.batchery_worker(url, E2E_QUEUE, "--runner", "bench.runners:noop")
+
+
+def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool = False
+                 ) -> dict[str, Any]:
     """The per-script table, with defaults (see the module's docstring)."""
     with common.private_redis() as url:
         unit = min(zadd_us(url) for _ in range(3))
-        worker = common.batchery_worker(url, E2E_QUEUE, "--runner", "bench.runners:noop")
+        worker = noop_worker(url)
         try:
             with Client(url, E2E_QUEUE) as client:
                 common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
                 client.map(range(1000))  # warm: scripts loaded, listener up
-                totals = [end_to_end(url, client, n, split=False)["us"] for _ in range(repeat)]
-                split = end_to_end(url, client, n, split=True)["split"]
+                if producer_first:  # each run starts its own worker after its enqueues
+                    common.stop([worker])
+                totals = [end_to_end(url, client, n, False, exact, producer_first)["us"]
+                          for _ in range(repeat)]
+                split = end_to_end(url, client, n, True, exact, producer_first)["split"]
         finally:
             common.stop([worker])
     best = min(totals)
@@ -242,18 +274,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("-n", type=int, help="requests (default 40,000 end to end, 50,000 --phases)")
     p.add_argument("--phases", action="store_true", help="the parts one at a time (batches "
                    "of 1024), as before: no worker")
+    p.add_argument("--producer-first", action="store_true", help="each run enqueues every "
+                   "request first, then starts the worker (default: the worker serves first)")
+    p.add_argument("--exact", action="store_true", help="the producer counts tokens, as one "
+                   "with the queue's tokenizer (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
     repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
     if args.phases:
         return phases_main(args.n or 50_000, repeat)
     n = args.n or (10_000 if args.quick else 40_000)
-    out = defaults_run(n, repeat)
+    out = defaults_run(n, repeat, args.exact, args.producer_first)
     text = common.table(out["rows"], E2E_COLUMNS)
-    print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; one "
-          f"pipelined ZADD = {out['zadd_us']:.2f} us; runs: "
+    order = "the producer first, then the worker" if args.producer_first else "the worker first"
+    pricing = "counts tokens" if args.exact else "estimates"
+    print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; {order}; "
+          f"the producer {pricing}; one pipelined ZADD = {out['zadd_us']:.2f} us; runs: "
           f"{', '.join(f'{u:.1f}' for u in out['runs_us'])} us; {common.machine()}):\n\n{text}\n\n"
           + common.table(out["commandstats"], TOP_COLUMNS) + "\n")
-    common.save("redis_time", {"machine": common.machine(), "requests": n, **out})
+    common.save("redis_time", {"machine": common.machine(), "requests": n, "exact": args.exact,
+                               "producer_first": args.producer_first, **out})
     return out
 
 
