@@ -70,8 +70,9 @@ class ClaimReply:
     batch: list[Claimed] = field(default_factory=list)
     # candidates priced by estimate, (id, input): count them, claim again with the counts
     to_price: list[tuple[str, Any]] = field(default_factory=list)
-    # with a batch: the estimated requests next in line, (id, input), for a counting
-    # worker to count now and send with its next claim (which then needs no pricing round)
+    # with a batch: requests next in line, (id, input), for a counting worker to count now
+    # and send with its next claim (which then needs no pricing round); the claim hands
+    # them over when its own candidates were estimated (lua/claim.lua: "priced ahead")
     price_ahead: list[tuple[str, Any]] = field(default_factory=list)
 
     @property

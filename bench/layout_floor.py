@@ -17,9 +17,13 @@ spend above this floor is those.
 
 The calls come in the shapes ``bench.redis_instructions`` drives (enqueues of 500, claims
 of 64 with two batches held, commits of 64, the Client's delivery), against a backlog of
-1,000, under valgrind's callgrind (it must be installed).
+1,000. Two counts: instructions by part under valgrind's callgrind (it must be installed),
+with the unit counted the same way (``count_unit``); and time, the issue's measure:
+redis-server's CPU (/proc) per request with no profiler, today's scripts
+(``bench.redis_instructions``' drive) and the lean ones in turn on one server, the best of
+R rounds each, against ``bench.redis_time``'s unit timed on the same server.
 
-``python -m bench.layout_floor [-n N]``
+``python -m bench.layout_floor [-n N] [--repeat R]``
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ import redis
 from batchery.embedded import find_redis_server
 from batchery.workers.options import WorkerOptions
 from bench import common
+from bench import redis_instructions
 from bench.redis_instructions import (ENQUEUE_BATCH, HELD, PARTS, ZADDS, callgrind_command,
-                                      callgrind_dump, dumped_counts)
+                                      callgrind_dump, count_unit, dumped_counts)
+from bench.redis_time import zadd_us
 
 BATCH = WorkerOptions().max_batch_size
+BACKLOG = 1000  # requests standing in the queue, as in bench.redis_instructions
 ENQUEUE = """-- KEYS: pending, requests, wake, result keys; ARGV: rank, then id, body pairs
 local ids, n = {}, 0
 for i = 2, #ARGV, 2 do n = n + 1; ids[n] = ARGV[i] end
@@ -84,8 +91,9 @@ RANK = 1_764_180_005_000  # a rank in ms, as the scripts store one
 SCHED = "|~3:0:1764180000000:1764180005000:normal:c1:"  # the schedule entry a body carries
 
 
-def drive(conn: redis.Redis, n: int, backlog: int, dump: Callable[[str], None]) -> None:
+def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
     """n requests through the lean scripts, ``dump(part)`` after each call."""
+    conn = redis.Redis.from_url(url)
     enqueue, claim, commit = (conn.register_script(s) for s in (ENQUEUE, CLAIM, COMMIT))
 
     def put(ids: list[str]) -> None:
@@ -125,6 +133,7 @@ def drive(conn: redis.Redis, n: int, backlog: int, dump: Callable[[str], None]) 
                 if results:
                     conn.delete(*(f"q:result:{json.loads(r)['id']}" for r in results))
                 dump("delivery")
+    conn.close()
 
 
 def count(n: int, backlog: int) -> dict[str, float]:
@@ -135,23 +144,18 @@ def count(n: int, backlog: int) -> dict[str, float]:
                              "--bind", "127.0.0.1", "--dir", folder, "--save", "",
                              "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
     try:
         common.wait_until(lambda: common.pings(redis.Redis(port=port)), 60, "redis-server")
         conn = redis.Redis(port=port)
-        drive(conn, 1000, 0, lambda part: None)  # warm: scripts loaded
+        drive(url, 1000, 0, lambda part: None)  # warm: scripts loaded
         conn.flushdb()
 
         def dump(part: str) -> None:
             callgrind_dump(proc.pid, part or "skip")
         dump("")
-        zadds = conn.pipeline(transaction=False)
-        for i in range(ZADDS):
-            zadds.zadd("unit", {f"m{i}": i})
-        zadds.execute()
-        dump("zadd")
-        conn.delete("unit")
-        dump("")
-        drive(conn, n, backlog, dump)
+        count_unit(conn, dump)
+        drive(url, n, backlog, dump)
     finally:
         proc.kill()
         proc.wait(30)
@@ -163,19 +167,49 @@ def count(n: int, backlog: int) -> dict[str, float]:
     return used
 
 
+def timed(n: int, repeat: int) -> dict[str, float]:
+    """redis-server CPU us per request of today's scripts and the lean ones in the same
+    shapes (the best of ``repeat`` rounds, the two in turn), and of the unit."""
+    layouts = {"today": redis_instructions.drive, "lean": drive}
+    best = {name: float("inf") for name in layouts}
+    with common.private_redis() as url:
+        unit = min(zadd_us(url) for _ in range(3))
+        pid, conn = common.redis_pid(url), redis.Redis.from_url(url)
+        for _ in range(repeat):
+            for name, run in layouts.items():
+                conn.flushdb()
+                start: list[float] = []
+
+                def mark(part: str) -> None:  # the first dump: the backlog is in
+                    if not start:
+                        start.append(common.cpu_seconds(pid))
+                run(url, n, BACKLOG, mark)
+                best[name] = min(best[name], 1e6 * (common.cpu_seconds(pid) - start[0]) / n)
+        conn.close()
+    return {**best, "zadd": unit}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
     args = p.parse_args(argv)
-    used = count(args.n, 1000)
+    repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
+    used = count(args.n, BACKLOG)
     zadd = used["zadd"]
     rows = [{"part": part, "ir": used[part], "zadds": used[part] / zadd} for part in (*PARTS, "all")]
     print(f"\nThe lean layout's floor, redis-server instructions per request ({args.n:,} requests, "
-          f"a standing backlog of 1,000; {common.machine()}):\n")
+          f"a standing backlog of {BACKLOG:,}; {common.machine()}):\n")
     print(common.table(rows, [("part", "part", ""), ("ir", "instructions per request", ",.0f"),
-                              ("zadds", "pipelined ZADDs' worth", ".1f")]))
-    print(f"\n(a pipelined ZADD of a new member, {ZADDS:,} to a pipeline: {zadd:,.0f} instructions)")
-    common.save("layout_floor", {"requests": args.n, **used})
+                              ("zadds", "the unit's instructions (not its time)", ".1f")]))
+    print(f"\n(the unit, bench.redis_instructions.count_unit: {zadd:,.0f} instructions)")
+    times = timed(10 * args.n, repeat)
+    time_rows = [{"layout": name, "us": times[name], "zadds": times[name] / times["zadd"]}
+                 for name in ("today", "lean")]
+    print(f"\nredis-server CPU per request, the same shapes, no profiler ({10 * args.n:,} requests, "
+          f"the best of {repeat} rounds; one pipelined ZADD = {times['zadd']:.2f} us):\n")
+    print(common.table(time_rows, [("layout", "layout", ""), ("us", "us per request", ".2f"),
+                                   ("zadds", "pipelined ZADDs per request", ".1f")]))
+    common.save("layout_floor", {"requests": args.n, **used, "time": times})
     return used
 
 

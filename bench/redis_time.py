@@ -220,22 +220,23 @@ def end_to_end(url: str, client: Client, n: int, split: bool, exact: bool = Fals
     queue's tokenizer sends it (else priced by estimate)."""
     pid = common.redis_pid(url)
     before = common.cpu_seconds(pid)
-    worker = None
-    with RedisTime(url, E2E_QUEUE, enabled=split) as timing:
-        if producer_first:
-            priced = {"tokens": 1} if exact else {}
-            handles = [h for lo in range(0, n, ENQUEUE_CHUNK)  # Client.map's calls
-                       for h in client.enqueue_many({"input": i, **priced}
-                                                    for i in range(lo, min(n, lo + ENQUEUE_CHUNK)))]
-            worker = noop_worker(url)
-            results = [h.result(timeout=600) for h in handles]
-        elif exact:
-            results = list(client.stream({"input": i, "tokens": 1} for i in range(n)))
-        else:
-            results = client.map(range(n))
-    used = 1e6 * (common.cpu_seconds(pid) - before) / n
-    if worker:
-        common.stop([worker])
+    workers: list[Any] = []
+    try:
+        with RedisTime(url, E2E_QUEUE, enabled=split) as timing:
+            if producer_first:
+                priced = {"tokens": 1} if exact else {}
+                handles = [h for lo in range(0, n, ENQUEUE_CHUNK)  # Client.map's calls
+                           for h in client.enqueue_many({"input": i, **priced}
+                                                        for i in range(lo, min(n, lo + ENQUEUE_CHUNK)))]
+                workers.append(noop_worker(url))
+                results = [h.result(timeout=600) for h in handles]
+            elif exact:
+                results = list(client.stream({"input": i, "tokens": 1} for i in range(n)))
+            else:
+                results = client.map(range(n))
+        used = 1e6 * (common.cpu_seconds(pid) - before) / n
+    finally:
+        common.stop(workers)
     assert len(results) == n and all(r.ok for r in results), "a no-op request failed"
     return {"us": used, "split": timing.report(n) if split else None}
 
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, help="requests (default 40,000 end to end, 50,000 --phases)")
     p.add_argument("--phases", action="store_true", help="the parts one at a time (batches "
-                   "of 1024), as before: no worker")
+                   "of 1024), as before: no worker (--producer-first and --exact do not apply)")
     p.add_argument("--producer-first", action="store_true", help="each run enqueues every "
                    "request first, then starts the worker (default: the worker serves first)")
     p.add_argument("--exact", action="store_true", help="the producer counts tokens, as one "

@@ -326,6 +326,27 @@ def test_what_a_claim_prices_ahead_follows_what_its_candidates_were(queue: Reque
     assert [r.id for r in fourth.batch] == ["r6", "r7"] and fourth.price_ahead == []
 
 
+def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_candidates(
+        queue: RequestQueue) -> None:
+    """The candidates a full batch left were counted with this claim and stay exact: they
+    are not handed ahead again. After a claim of exact candidates nothing is handed ahead,
+    even with an estimated request next in line: it gets its pricing round."""
+    def request(i: int, exact: bool) -> Request:
+        return Request.validated(id=f"r{i}", input="abcde"[i], **({"tokens": 1} if exact else {}))
+    queue.enqueue([request(i, exact) for i, exact in enumerate([0, 0, 0, 1, 0])])
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    assert [i for i, _ in priced.to_price] == ["r0", "r1"]
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[("r0", 1), ("r1", 1), ("r2", 1)])
+    assert [r.id for r in first.batch] == ["r0", "r1"]
+    assert first.price_ahead == [("r3", "d")]  # r2 was counted just now
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True, counts=[("r3", 99)])
+    assert [(r.id, r.tokens) for r in second.batch] == [("r2", 1), ("r3", 1)]
+    assert second.price_ahead == []  # its candidates were exact
+    third = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True)
+    assert third.to_price == [("r4", "e")] and third.batch == []
+
+
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400))
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch

@@ -164,8 +164,8 @@ class Claimer(threading.Thread):
         """Claim on exact counts: candidates a producer priced by estimate are counted
         with this runner's tokenizer and sent with the next claim (a few rounds at most: new
         estimated requests can enter the lookahead between two calls). A claim that leases
-        hands over the estimated requests next in line too (``price_ahead``): counted at
-        the next claim and sent with it, they need no pricing round of their own."""
+        estimated requests hands over the requests next in line too (``price_ahead``):
+        counted at the next claim and sent with it, they need no pricing round of their own."""
         counts: list[tuple[str, int]] = []
         ahead = self._count(self._ahead) if self._ahead and self.counts else []
         self._ahead = []

@@ -31,10 +31,10 @@
 --   attempts..., ahead_ids..., ahead_payloads..., n_ahead} when it leased something, with
 --   n = #ids and n_ahead = #ahead_ids. head_rank: the rank of the most urgent pending
 --   request when the batch was chosen (a request ranked before it later is more urgent
---   than anything then). ahead: with ARGV[7] = 1, the estimated requests next in line
---   (the next batch's candidates), handed to the worker to count while this batch runs
---   and to send with its next claim, which then needs no pricing round (a round trip
---   per batch saved). The first n_expired ids are past their deadline (leased so the
+--   than anything then). ahead: with ARGV[7] = 1, requests next in line to count (the
+--   next batch's candidates, when this batch's were estimated: see "priced ahead"
+--   below), handed to the worker to count while this batch runs and to send with its
+--   next claim, which then needs no pricing round (a round trip per batch saved). The first n_expired ids are past their deadline (leased so the
 --   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
@@ -121,7 +121,7 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
     for i = 1, n do reply[r + i] = values[i] or false end
     r = r + n
   end
-  -- the ones priced ahead: ids, then payloads (one gone since it was read is left out)
+  -- the ones priced ahead: ids, then payloads (an id pending without a payload is left out)
   local m, payloads = 0, (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
   for i, payload in ipairs(payloads) do
     if payload then m = m + 1; reply[r + m] = ahead[i] end
@@ -542,16 +542,23 @@ rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = 
 -- candidates were says what the next ones likely are, so their entries are read only
 -- when that is in doubt: none estimated (producers that count exactly), nothing is
 -- handed ahead; all estimated (producers that estimate), the next batch's worth as it
--- stands (one counted already is counted again, and its count ignored); a mix, the
--- estimated ones among them, by their entries.
-local ahead = {}
+-- stands, less the ones this worker just counted (written exact above: the candidates a
+-- full batch left); an exact one among the rest is counted again and its count ignored;
+-- a mix, the estimated ones among them, by their entries.
+local ahead, m = {}, 0
 if price_estimates and n_priced > 0 then
-  ahead = pending_ids(0, window)
-  if n_priced < n_scheds and #ahead > 0 then
-    local next_ids, next_scheds = ahead, rcall('HMGET', K.sched, unpack(ahead))
-    ahead = {}
+  local next_ids = pending_ids(0, window)
+  local all_priced = n_priced == n_scheds
+  if all_priced and next(counted) == nil then  -- (what was counted, this batch took)
+    ahead = next_ids
+  elseif all_priced then
+    for _, id in ipairs(next_ids) do
+      if not counted[id] then m = m + 1; ahead[m] = id end
+    end
+  elseif #next_ids > 0 then
+    local next_scheds = rcall('HMGET', K.sched, unpack(next_ids))
     for n, id in ipairs(next_ids) do
-      if next_scheds[n] and string.byte(next_scheds[n], 1) == 126 then ahead[#ahead + 1] = id end  -- '~'
+      if next_scheds[n] and string.byte(next_scheds[n], 1) == 126 then m = m + 1; ahead[m] = id end  -- '~'
     end
   end
 end

@@ -62,7 +62,7 @@ FAULTS: tuple[Fault, ...] = (
           "  if not full and waited < max_wait then", "  if false then",
           (SCRIPTS + "test_a_partial_batch_waits_for_company_up_to_max_wait",)),
     Fault("a mix of exact and estimated priced ahead whole", "batching/lua/claim.lua",
-          "  if n_priced < n_scheds and #ahead > 0 then", "  if false then",
+          "  local all_priced = n_priced == n_scheds", "  local all_priced = true",
           (SCRIPTS + "test_what_a_claim_prices_ahead_follows_what_its_candidates_were",)),
     Fault("enqueue not idempotent by id", "batching/lua/enqueue.lua",
           "    if (seen[id] or some_results or held[i]) and known(i, id) then", "    if seen[id] then",
