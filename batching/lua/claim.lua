@@ -34,8 +34,9 @@
 --   than anything then). ahead: with ARGV[7] = 1, requests next in line to count (the
 --   next batch's candidates, when this batch's were estimated: see "priced ahead"
 --   below), handed to the worker to count while this batch runs and to send with its
---   next claim, which then needs no pricing round (a round trip per batch saved). The first n_expired ids are past their deadline (leased so the
---   worker records them as expired; never run). wait_ms > 0: the head is held that
+--   next claim, which then needs no pricing round (a round trip per batch saved). The
+--   first n_expired ids are past their deadline (leased so the worker records them as
+--   expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
