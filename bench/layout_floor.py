@@ -17,9 +17,9 @@ spend above this floor is those.
 
 The calls come in the shapes ``bench.redis_instructions`` drives (enqueues of 500, claims
 of 64 with two batches held, commits of 64, the Client's delivery), against a backlog of
-1,000. Two counts: instructions by part under valgrind's callgrind (it must be installed),
-with the unit counted the same way (``count_unit``); and time, the issue's measure:
-redis-server's CPU (/proc) per request with no profiler, today's scripts
+1,000. Two counts: instructions by part under valgrind's callgrind (it must be
+installed), with the unit, by ``bench.redis_instructions.count``; and time, the issue's
+measure: redis-server's CPU (/proc) per request with no profiler, today's scripts
 (``bench.redis_instructions``' drive) and the lean ones in turn on one server, the best of
 R rounds each, against ``bench.redis_time``'s unit timed on the same server.
 
@@ -29,20 +29,14 @@ R rounds each, against ``bench.redis_time``'s unit timed on the same server.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import tempfile
 from typing import Callable
 
 import redis
 
-from batchery.embedded import find_redis_server
 from batchery.workers.options import WorkerOptions
 from bench import common
 from bench import redis_instructions
-from bench.redis_instructions import (ENQUEUE_BATCH, HELD, PARTS, ZADDS, callgrind_command,
-                                      callgrind_dump, count_unit, dumped_counts)
+from bench.redis_instructions import ENQUEUE_BATCH, HELD
 from bench.redis_time import zadd_us
 
 BATCH = WorkerOptions().max_batch_size
@@ -136,37 +130,6 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
     conn.close()
 
 
-def count(n: int, backlog: int) -> dict[str, float]:
-    """Instructions per request of each part, and of the unit (a pipelined ZADD)."""
-    folder, port = tempfile.mkdtemp(prefix="batchery-floor-"), common.free_port()
-    out = os.path.join(folder, "callgrind.out")
-    proc = subprocess.Popen([*callgrind_command(out), find_redis_server(), "--port", str(port),
-                             "--bind", "127.0.0.1", "--dir", folder, "--save", "",
-                             "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        common.wait_until(lambda: common.pings(redis.Redis(port=port)), 60, "redis-server")
-        conn = redis.Redis(port=port)
-        drive(url, 1000, 0, lambda part: None)  # warm: scripts loaded
-        conn.flushdb()
-
-        def dump(part: str) -> None:
-            callgrind_dump(proc.pid, part or "skip")
-        dump("")
-        count_unit(conn, dump)
-        drive(url, n, backlog, dump)
-    finally:
-        proc.kill()
-        proc.wait(30)
-    totals = dumped_counts(out + ".*")
-    shutil.rmtree(folder, ignore_errors=True)
-    used = {part: totals.get(part, 0) / n for part in PARTS}
-    used["all"] = sum(used.values())
-    used["zadd"] = totals.get("zadd", 0) / ZADDS
-    return used
-
-
 def timed(n: int, repeat: int) -> dict[str, float]:
     """redis-server CPU us per request of today's scripts and the lean ones in the same
     shapes (the best of ``repeat`` rounds, the two in turn), and of the unit."""
@@ -194,14 +157,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
     args = p.parse_args(argv)
     repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
-    used = count(args.n, BACKLOG)
-    zadd = used["zadd"]
-    rows = [{"part": part, "ir": used[part], "zadds": used[part] / zadd} for part in (*PARTS, "all")]
+    used = redis_instructions.count(drive, args.n, BACKLOG)
     print(f"\nThe lean layout's floor, redis-server instructions per request ({args.n:,} requests, "
           f"a standing backlog of {BACKLOG:,}; {common.machine()}):\n")
-    print(common.table(rows, [("part", "part", ""), ("ir", "instructions per request", ",.0f"),
-                              ("zadds", "the unit's instructions (not its time)", ".1f")]))
-    print(f"\n(the unit, bench.redis_instructions.count_unit: {zadd:,.0f} instructions)")
+    print(redis_instructions.parts_table(used))
     times = timed(10 * args.n, repeat)
     time_rows = [{"layout": name, "us": times[name], "zadds": times[name] / times["zadd"]}
                  for name in ("today", "lean")]

@@ -20,6 +20,7 @@ nanosecond than Lua does. ``bench.redis_time`` gives the time.)
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -142,8 +143,12 @@ def dumped_counts(pattern: str) -> dict[str, int]:
     return totals
 
 
-def count(n: int, backlog: int, exact: bool = False) -> dict[str, float]:
-    """Instructions per request of each part, from callgrind's dumps."""
+Drive = Callable[[str, int, int, Callable[[str], None]], None]  # (url, n, backlog, dump)
+
+
+def count(run: Drive, n: int, backlog: int) -> dict[str, float]:
+    """Instructions per request of each part ``run`` dumps (PARTS), from callgrind's dumps,
+    and of the unit (count_unit)."""
     folder, port = tempfile.mkdtemp(prefix="batchery-instructions-"), common.free_port()
     out = os.path.join(folder, "callgrind.out")
     proc = subprocess.Popen([*callgrind_command(out), find_redis_server(), "--port", str(port),
@@ -153,7 +158,7 @@ def count(n: int, backlog: int, exact: bool = False) -> dict[str, float]:
     url = f"redis://127.0.0.1:{port}/0"
     try:
         common.wait_until(lambda: common.pings(redis.Redis(port=port)), 60, "redis-server")
-        drive(url, 1000, 0, lambda part: None)  # warm: scripts loaded
+        run(url, 1000, 0, lambda part: None)  # warm: scripts loaded
         conn = redis.Redis(port=port)
         conn.flushdb()
 
@@ -161,7 +166,7 @@ def count(n: int, backlog: int, exact: bool = False) -> dict[str, float]:
             callgrind_dump(proc.pid, part or "skip")
         dump("")
         count_unit(conn, dump)
-        drive(url, n, backlog, dump, exact)
+        run(url, n, backlog, dump)
     finally:
         proc.kill()
         proc.wait(30)
@@ -173,6 +178,16 @@ def count(n: int, backlog: int, exact: bool = False) -> dict[str, float]:
     return used
 
 
+def parts_table(used: dict[str, float]) -> str:
+    """count's figures: each part's instructions per request, also in the unit's, and the unit."""
+    zadd = used["zadd"]
+    rows = [{"part": part, "ir": used[part], "zadds": used[part] / zadd} for part in (*PARTS, "all")]
+    return (common.table(rows, [("part", "part", ""), ("ir", "instructions per request", ",.0f"),
+                                ("zadds", "the unit's instructions (not its time)", ".1f")])
+            + f"\n\n(the unit, {ZADDS:,} pipelined ZADDs of a new member into a key of "
+              f"{UNIT_KEY_SIZE:,}: {zadd:,.0f} instructions each)")
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
@@ -180,15 +195,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--exact", action="store_true",
                    help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
-    used = count(args.n, args.backlog, args.exact)
+    used = count(functools.partial(drive, exact=args.exact), args.n, args.backlog)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
           f"{args.backlog:,}; the producer {'counts tokens' if args.exact else 'estimates'}; "
           f"{common.machine()}):\n")
-    zadd = used["zadd"]
-    rows = [{"part": part, "ir": used[part], "zadds": used[part] / zadd} for part in (*PARTS, "all")]
-    print(common.table(rows, [("part", "part", ""), ("ir", "instructions per request", ",.0f"),
-                              ("zadds", "the unit's instructions (not its time)", ".1f")]))
-    print(f"\n(a pipelined ZADD of a new member, {ZADDS:,} to a pipeline: {zadd:,.0f} instructions)")
+    print(parts_table(used))
     common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, "exact": args.exact,
                                        **used})
     return used
