@@ -9,10 +9,13 @@ import signal
 import subprocess
 import sys
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from batchery import Client
@@ -26,7 +29,7 @@ from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
 from batchery.workers.runners.hf import resolve_model
-from tests.conftest import (ROOT, cli_env, free_port, run_cli, start_worker, stop_process,
+from tests.conftest import (ROOT, RedisServer, cli_env, free_port, run_cli, start_worker, stop_process,
                             wait_for)
 
 
@@ -50,6 +53,49 @@ class Recording(Runner):
     def count_tokens(self, inputs: list[Any]) -> list[int | None]:
         return [len(str(v).split()) for v in inputs]
 
+
+
+class Counting(Recording):
+    """Recording, and every input it was asked to count, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted: list[Any] = []
+
+    def count_tokens(self, inputs: list[Any]) -> list[int | None]:
+        self.counted.extend(inputs)
+        return super().count_tokens(inputs)
+
+
+@given(st.lists(st.tuples(st.sampled_from([1, 2, 5, 16]), st.sampled_from([False, False, True])),
+                min_size=1, max_size=30),
+       st.integers(1, 4), st.sampled_from([10_000, 24]), st.integers(1, 12))
+@settings(max_examples=30, deadline=None)
+def test_a_counting_worker_counts_each_estimated_request_once_and_keeps_the_budget(
+        redis_server: RedisServer, words: list[tuple[int, bool]], max_size: int,
+        max_tokens: int, lookahead: int) -> None:
+    """Whatever mix of estimated and exact requests (exact: the producer's count is the
+    worker's), batch sizes, budgets and lookaheads: every request runs once, each
+    estimated one is counted at most once (pricing rounds and the lists priced ahead
+    together), and every batch of two or more keeps the budget on exact counts."""
+    texts = [" ".join([f"w{i}"] + ["x"] * (n - 1)) for i, (n, _) in enumerate(words)]
+    estimated = {t for t, (_, exact) in zip(texts, words) if not exact}
+    name, runner = f"t-{uuid.uuid4().hex[:10]}", Counting()
+    with Client(redis_server.url, name) as client:
+        handles = client.enqueue_many([{"input": t, **({} if t in estimated else {"tokens": n})}
+                                       for t, (n, _) in zip(texts, words)])
+        Worker(RedisSettings.from_url(redis_server.url), runner,
+               WorkerOptions(queue=name, max_wait_ms=0, max_batch_size=max_size,
+                             max_batch_tokens=max_tokens, lookahead=lookahead)
+               ).run(burst=True, handle_signals=False)
+        assert {h.result(timeout=10).status for h in handles} == {"ok"}
+    batches = [inputs for kind, inputs in runner.calls if kind == "prepare"][1:]  # after warm-up
+    assert sorted(t for batch in batches for t in batch) == sorted(texts)
+    counted = [t for t in runner.counted if t in estimated]
+    assert len(counted) == len(set(counted)), "an estimated request was counted twice"
+    for batch in batches:
+        if len(batch) > 1:
+            assert max(len(t.split()) for t in batch) * len(batch) <= max_tokens, batch
 
 def test_warm_up_runs_before_the_first_claim(redis_url: str, queue_name: str) -> None:
     runner = Recording()
@@ -286,9 +332,9 @@ def test_a_worker_on_a_gpu_lets_the_tokenizer_use_its_threads(redis_url: str, qu
     environment wins either way."""
     env = cli_env(redis_url)
     env.pop("TOKENIZERS_PARALLELISM", None)
-    for given, wanted in ((None, expected), ("false" if expected == "true" else "true", None)):
-        if given is not None:
-            env["TOKENIZERS_PARALLELISM"] = given
+    for preset, wanted in ((None, expected), ("false" if expected == "true" else "true", None)):
+        if preset is not None:
+            env["TOKENIZERS_PARALLELISM"] = preset
         with Client(redis_url, queue_name) as client:
             handle = client.enqueue("which?")  # first: a burst worker drains, then leaves
             worker = subprocess.Popen([sys.executable, "-m", "batchery", "worker", "--queue",
@@ -300,4 +346,4 @@ def test_a_worker_on_a_gpu_lets_the_tokenizer_use_its_threads(redis_url: str, qu
                 result = handle.result(timeout=60)
             finally:
                 stop_process(worker)
-        assert result.ok and result.output == (wanted or given)
+        assert result.ok and result.output == (wanted or preset)
