@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -268,12 +269,19 @@ def test_sigterm_finishes_the_batch_and_returns_prefetched_claims(rconn, redis_u
 
 def freeze_holding_exactly(queue: RequestQueue, proc, count: int, timeout: float = 30) -> list[str]:
     """SIGSTOP ``proc`` at a moment it holds exactly ``count`` leases; return them."""
+    return freeze_holding_such(queue, proc, lambda held: len(held) == count,
+                               f"{count} leases", timeout)
+
+
+def freeze_holding_such(queue: RequestQueue, proc, wanted: Callable[[list[str]], bool],
+                        what: str, timeout: float = 30) -> list[str]:
+    """SIGSTOP ``proc`` at a moment the leases it holds are ``wanted``; return them."""
     deadline = time.monotonic() + timeout
     while True:
         held = freeze_holding(queue, proc, max(0.1, deadline - time.monotonic()))
-        if len(held) == count:
+        if wanted(held):
             return held
-        assert time.monotonic() < deadline, f"worker {proc.pid} never held {count} leases: {held}"
+        assert time.monotonic() < deadline, f"worker {proc.pid} never held {what}: {held}"
         proc.send_signal(signal.SIGCONT)
         time.sleep(0.01)
 
