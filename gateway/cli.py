@@ -17,6 +17,7 @@ from batchery.config import ENV_API_KEYS, state_dir
 from batchery.connection import RedisSettings
 from batchery.listening import check_port_free, is_loopback
 from batchery.errors import ConfigError
+from batchery.gateway.processes import BALANCED, serve as serve_processes
 
 LOOPBACK = "127.0.0.1"   # no keys: only this machine may call
 ANY_HOST = "0.0.0.0"     # keys configured: a replica behind a load balancer
@@ -56,7 +57,7 @@ def default_files_dir() -> str:
 @click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Processes answering on the port, each with its own event loop: one "
               "process keeps about one core busy, so give a host with cores to spare more "
-              "(uvicorn starts one again if it dies).")
+              "(one that dies is started again).")
 @click.option("--files-dir", help="Where /v1/files and batch outputs live: a directory the "
               "jobs workers read too (a shared volume) [default: BATCHERY_HOME/files].")
 @jobs_queue_option
@@ -112,9 +113,13 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
     if processes == 1:
         uvicorn.run(app, **listen)
         return
-    # uvicorn binds the port here and starts the processes, each importing the app's factory
+    # each process imports the app's factory, which reads the settings from the environment
     os.environ[ENV_SERVE_SETTINGS] = json.dumps(asdict(settings))
-    uvicorn.run(f"{__name__}:app_from_environment", factory=True, workers=processes, **listen)
+    factory = {"app": f"{__name__}:app_from_environment", "factory": True}
+    if BALANCED:  # a socket per process: the kernel spreads the connections evenly
+        serve_processes(processes, **factory, **listen)
+    else:  # uvicorn's workers, on one shared socket
+        uvicorn.run(**factory, workers=processes, **listen)
 
 
 def build_app(settings: ServeSettings) -> Any:
