@@ -27,6 +27,8 @@ ENV_DASHBOARD_PORT = "BATCHERY_DASHBOARD_PORT"
 ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
 ENV_API_KEYS = "BATCHERY_API_KEYS"  # serve: the gateway's keys, read here (never on a command line)
 
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
+
 DEFAULT_QUEUE = "default"
 JOBS_QUEUE = "batchery"  # the RQ queue offline jobs wait in; `rq info` lists it
 EMBEDDED = "embedded"  # the redis URL meaning "start or reuse batchery's private server"
@@ -60,3 +62,16 @@ def deployed() -> bool:
     laptop defaults there. (Docker's own marker file is not used: dev containers have it.)"""
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or os.environ.get(
         ENV_NO_EMBEDDED, "") not in ("", "0")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by its cgroup's CPU limit (in a
+    container with a 2-CPU limit on a 64-core node, 2, not 64)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(CGROUP_CPU_MAX).read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 limit here
+        pass
+    return n

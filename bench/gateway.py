@@ -24,8 +24,9 @@ not taken from the model. ``--shared-cores`` runs everything on every core, as t
 measurements did (on a CPU-only machine of two cores the gateway then competes with the
 model it feeds).
 
-``--gateway-processes N`` runs `batchery serve --processes N` (its CPU per request is then that
-of all its processes).
+`batchery serve` runs with its default processes (half the cores it may use, 1 to 4);
+``--gateway-processes N`` runs `batchery serve --processes N`. Its CPU per request is that
+of all its processes.
 
 ``python -m bench.gateway [--quick] [-n N] [--shared-cores] [--gateway-processes N]``
 """
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from batchery import AsyncClient, Client
+from batchery.config import usable_cpus
+from batchery.gateway.cli import default_processes
 from bench import common
 from bench.generate import build_model, worker_args
 
@@ -251,8 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.add_argument("--shared-cores", action="store_true", help="workers, gateway, Redis "
                       "and load generator all on every core (default: the workers on cores "
                       "of their own)")
-    args.add_argument("--gateway-processes", type=int, default=1, help="batchery serve "
-                      "--processes (default 1)")
+    args.add_argument("--gateway-processes", type=int, help="batchery serve --processes "
+                      "(default: none given, so serve's own default on the cores it runs on)")
     args = args.parse_args(argv)
     n = args.n or (1_500 if args.quick else 6_000)
     port = common.free_port()
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if model_cores:  # Redis, the gateway and this process: the other cores
         os.sched_setaffinity(0, set(cores) - model_cores)
     threads = len(model_cores) or None
+    # `batchery serve` runs on this process's cores, so its default counts these
+    gateway_processes = args.gateway_processes or default_processes(usable_cpus())
 
     def worker(queue: str, *flags: str) -> subprocess.Popen:
         proc = common.batchery_worker(url, queue, *flags, threads=threads)
@@ -280,9 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with Client(url, "embed") as embed, Client(url, "generate") as generate:
                 common.wait_until(lambda: embed.queue.stats()["workers"] >= 1
                                   and generate.queue.stats()["workers"] >= 1, 180, "the workers")
+            given = ["--processes", str(args.gateway_processes)] if args.gateway_processes else []
             procs.append(common.start([sys.executable, "-m", "batchery", "serve", "--redis-url",
-                                       url, "--port", str(port), "--processes",
-                                       str(args.gateway_processes)]))
+                                       url, "--port", str(port), *given]))
             common.wait_until(lambda: _ready(port), 60, "batchery serve")
             common.freeze()
             rows = asyncio.run(embeddings(url, port, "embed", n, procs[-1].pid))
@@ -293,11 +298,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = common.table(rows, COLUMNS)
     ttft_text = common.table(ttft, TTFT_COLUMNS)
     print(f"\n## Gateway cost: single-input /v1/embeddings vs AsyncClient.submit, MiniLM, "
-          f"default flags ({common.machine()}; {placement}; {args.gateway_processes} gateway "
-          f"process(es))\n\n{text}\n\n## Time to first token, one at a "
-          f"time (random GPT-2 ~10M parameters)\n\n{ttft_text}\n\n{summary['text']}\n")
+          f"default flags ({common.machine()}; {placement}; {gateway_processes} gateway "
+          f"process(es){'' if args.gateway_processes else ', its default'})\n\n{text}\n\n"
+          f"## Time to first token, one at a time (random GPT-2 ~10M parameters)\n\n"
+          f"{ttft_text}\n\n{summary['text']}\n")
     common.save("gateway", {"machine": common.machine(), "placement": placement,
-                            "gateway_processes": args.gateway_processes, "rows": rows, "ttft": ttft, **summary})
+                            "gateway_processes": gateway_processes, "rows": rows, "ttft": ttft, **summary})
     return {"rows": rows, "ttft": ttft, "table": text, **summary}
 
 

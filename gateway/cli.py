@@ -13,7 +13,7 @@ import click
 from redis import exceptions as redis_errors
 
 from batchery.cli_shared import jobs_queue_option, redis_options
-from batchery.config import ENV_API_KEYS, state_dir
+from batchery.config import ENV_API_KEYS, state_dir, usable_cpus
 from batchery.connection import RedisSettings
 from batchery.listening import check_port_free, is_loopback
 from batchery.errors import ConfigError
@@ -25,6 +25,11 @@ SERVE_PORT = 8000         # where OpenAI-compatible servers (vLLM, TGI's router)
 # Idle keep-alive connections stay open this long: longer than load balancers' idle timeout
 # (60 s on most), so that none sends a request on a connection the gateway just closed.
 KEEP_ALIVE_S = 75
+# `serve` without --processes: half the usable CPUs, from 2 (on a smaller host the gateway
+# would take its cores from the model and Redis) to 4 (at 64 callers, 4 processes answered
+# as fast as the Python client straight to an H200's MiniLM worker, 8 no faster:
+# bench/gateway.py); more with --processes, or replicas
+AUTO_MIN_PROCESSES, AUTO_MAX_PROCESSES = 2, 4
 # `serve --processes N`: the settings each of the N processes builds its app from (uvicorn
 # starts them afresh, so they take them from the environment, as JSON)
 ENV_SERVE_SETTINGS = "BATCHERY_SERVE_SETTINGS"
@@ -42,6 +47,12 @@ class ServeSettings:
     cluster: bool
 
 
+def default_processes(cpus: int) -> int:
+    """`serve`'s processes without --processes, on a host where it may use ``cpus``."""
+    half = cpus // 2
+    return 1 if half < AUTO_MIN_PROCESSES else min(half, AUTO_MAX_PROCESSES)
+
+
 def default_files_dir() -> str:
     return str(state_dir() / "files")
 
@@ -54,16 +65,16 @@ def default_files_dir() -> str:
               "default: every queue registered in Redis, each as the model of its name.")
 @click.option("--keys-file", type=click.Path(dir_okay=False), help="API keys, one "
               f"`KEY TENANT [QUEUE,...|*]` per line (also from {ENV_API_KEYS}).")
-@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="Processes answering on the port, each with its own event loop: one "
-              "process keeps about one core busy, so give a host with cores to spare more "
-              "(one that dies is started again).")
+@click.option("--processes", type=click.IntRange(1, 256), help="Processes answering on "
+              "the port, each with its own event loop (one that dies is started again) "
+              f"[default: {AUTO_MAX_PROCESSES} at most, half the usable CPUs, 1 under "
+              f"{2 * AUTO_MIN_PROCESSES} CPUs].")
 @click.option("--files-dir", help="Where /v1/files and batch outputs live: a directory the "
               "jobs workers read too (a shared volume) [default: BATCHERY_HOME/files].")
 @jobs_queue_option
 @redis_options
 def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str | None,
-          processes: int, files_dir: str | None, jobs_queue: str, redis_url: str | None,
+          processes: int | None, files_dir: str | None, jobs_queue: str, redis_url: str | None,
           cluster: bool) -> None:
     """Serve the OpenAI API (/v1/models, embeddings, completions, chat, files, batches)
     over batchery's queues."""
@@ -82,6 +93,7 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
                           f"it could use every queue. Give keys (--keys-file, or {ENV_API_KEYS}"
                           f"), or keep the default --host {LOOPBACK}")
     check_port_free(host, port)
+    processes = processes or default_processes(usable_cpus())
     settings = ServeSettings(tuple(check_queue_name(q) for q in queues), keys_file,
                              files_dir or default_files_dir(), jobs_queue, redis_url, cluster)
     try:

@@ -326,6 +326,12 @@ def test_several_processes_share_the_connections_of_clients_that_connect_at_once
     assert all(2 <= n <= 32 for n in held.values()), held
 
 
+def test_without_processes_serve_takes_half_the_usable_cpus_from_two_to_four() -> None:
+    from batchery.gateway.cli import default_processes
+    assert [default_processes(cpus) for cpus in (1, 2, 3, 4, 5, 6, 7, 8, 16, 64)] == \
+        [1, 1, 1, 2, 2, 3, 3, 4, 4, 4]
+
+
 def test_a_serving_process_that_cannot_start_stops_them_all_with_a_clear_error(tmp_path) -> None:
     from batchery.errors import ConfigError
     from batchery.gateway.processes import serve as serve_processes

@@ -292,17 +292,19 @@ def test_sigterm_while_the_model_loads_stops_the_worker_at_once(redis_url: str, 
         assert client.queue.stats()["workers"] == 0
 
 
-def test_a_containers_cpu_limit_caps_the_cores_a_worker_sizes_itself_to(tmp_path: Path,
-                                                                        monkeypatch: Any) -> None:
-    from batchery.workers import cli as worker_cli
+def test_a_containers_cpu_limit_caps_the_cpus_a_process_sizes_itself_to(tmp_path: Path,
+                                                                         monkeypatch: Any) -> None:
+    """Workers (threads, parallel batches) and `batchery serve` (its processes) size
+    themselves to usable_cpus."""
+    from batchery import config
     limit = tmp_path / "cpu.max"
-    monkeypatch.setattr(worker_cli, "CGROUP_CPU_MAX", str(limit))
+    monkeypatch.setattr(config, "CGROUP_CPU_MAX", str(limit))
     affinity = len(os.sched_getaffinity(0))
-    assert worker_cli._cores() == affinity  # no cgroup file: the affinity
+    assert config.usable_cpus() == affinity  # no cgroup file: the affinity
     limit.write_text("150000 100000\n")      # 1.5 CPUs
-    assert worker_cli._cores() == 1
+    assert config.usable_cpus() == 1
     limit.write_text("max 100000\n")
-    assert worker_cli._cores() == affinity
+    assert config.usable_cpus() == affinity
 
 
 def test_a_renew_racing_a_commit_is_no_lost_lease(rconn: Any, queue_name: str) -> None:

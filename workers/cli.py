@@ -7,12 +7,11 @@ import logging
 import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import click
 
 from batchery.cli_shared import default_of, queue_option, redis_options
-from batchery.config import ENV_TORCH_THREADS
+from batchery.config import ENV_TORCH_THREADS, usable_cpus
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
 from batchery.workers.options import (ACCELERATOR_SEQUENCES, CPU_SEQUENCES, DEFAULT_LOOKAHEAD,
@@ -21,7 +20,6 @@ from batchery.workers.runners import TASKS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENGINES = ("batchery", "vllm")
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +115,15 @@ def worker(task: str | None, model: str | None, runner: str | None, device: str,
     generating = task == "generate" and not runner or _is_engine(model_runner)
     if generating:  # one decode loop; sequences join and leave it
         from batchery.workers.generation.worker import generate_defaults
-        options, threads = generate_defaults(model_runner, options, set(given), threads, _cores())
+        options, threads = generate_defaults(model_runner, options, set(given), threads,
+                                             usable_cpus())
         parallel_batches, max_batch_size = 1, options.max_batch_size
     elif task == "generate":
         parallel_batches = 1
     if parallel_batches is None:  # one batch per core on a CPU; built-in runners are thread-safe
-        parallel_batches = _cores() if placed == "cpu" else 1
+        parallel_batches = usable_cpus() if placed == "cpu" else 1
     if threads is None and placed in ("cpu", "") and parallel_batches > 1:
-        threads = max(1, _cores() // parallel_batches)  # N teams of cores/N, not N of cores
+        threads = max(1, usable_cpus() // parallel_batches)  # N teams of cores/N, not N of cores
     _set_threads(threads)
     from batchery.workers import metrics
     metrics.bind(queue)
@@ -156,19 +155,6 @@ def _is_engine(runner: object) -> bool:
     one): the generate worker runs it. Its module is loaded if it is one."""
     engine = sys.modules.get("batchery.workers.generation.engine")
     return engine is not None and isinstance(runner, engine.EngineRunner)
-
-
-def _cores() -> int:
-    """CPUs this process may use: its affinity, capped by its cgroup's CPU limit (in a
-    container with a 2-CPU limit on a 64-core node, 2, not 64)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = Path(CGROUP_CPU_MAX).read_text().split()
-        if quota != "max":
-            n = min(n, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 limit here
-        pass
-    return n
 
 
 def _set_threads(threads: int | None) -> None:
