@@ -28,6 +28,7 @@ ENV_DASHBOARD_TOKEN = "BATCHERY_DASHBOARD_TOKEN"
 ENV_API_KEYS = "BATCHERY_API_KEYS"  # serve: the gateway's keys, read here (never on a command line)
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1: cpu.cfs_quota_us (-1: none), cpu.cfs_period_us
 
 DEFAULT_QUEUE = "default"
 JOBS_QUEUE = "batchery"  # the RQ queue offline jobs wait in; `rq info` lists it
@@ -68,10 +69,20 @@ def usable_cpus() -> int:
     """CPUs this process may use: its affinity, capped by its cgroup's CPU limit (in a
     container with a 2-CPU limit on a 64-core node, 2, not 64)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    return min(n, max(1, int(limit))) if limit else n
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """CPUs this process's cgroup (v2, else v1) may use, or None where none is set."""
     try:
         quota, period = Path(CGROUP_CPU_MAX).read_text().split()
-        if quota != "max":
-            n = min(n, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 limit here
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):  # no cgroup v2 limit file here: try v1
         pass
-    return n
+    try:
+        quota = int(Path(CGROUP_V1_CPU, "cpu.cfs_quota_us").read_text())
+        period = int(Path(CGROUP_V1_CPU, "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None

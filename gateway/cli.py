@@ -30,8 +30,8 @@ KEEP_ALIVE_S = 75
 # as fast as the Python client straight to an H200's MiniLM worker, 8 no faster:
 # bench/gateway.py); more with --processes, or replicas
 AUTO_MIN_PROCESSES, AUTO_MAX_PROCESSES = 2, 4
-# `serve --processes N`: the settings each of the N processes builds its app from (uvicorn
-# starts them afresh, so they take them from the environment, as JSON)
+# `serve --processes N`: the settings each of the N processes builds its app from (each
+# starts as a fresh interpreter, so they take them from the environment, as JSON)
 ENV_SERVE_SETTINGS = "BATCHERY_SERVE_SETTINGS"
 
 

@@ -1,85 +1,119 @@
 """`batchery serve --processes N` on Linux: N processes, each listening on the port with a
-socket of its own (SO_REUSEPORT), so that the kernel deals new connections out evenly.
+socket of its own (SO_REUSEPORT), so that the kernel spreads new connections over them.
 
 uvicorn's own ``workers=N`` shares one listening socket: whichever process wakes first
 accepts every connection waiting, so 64 clients connecting at once landed 30, 21, 11 and 2
 on four processes here, and the busiest process set the pace of all of them. With a socket
-per process the kernel picks the process by a hash of each connection's addresses. This
-process binds and listens on all N before starting any (a socket bound later would miss the
-connections made before it), and keeps them: one whose process dies keeps its waiting
-connections for the process started in its place. SIGTERM or Ctrl-C stops them all
-gracefully. Elsewhere (no load-balancing SO_REUSEPORT) the command uses uvicorn's workers.
+per process the kernel picks the process by a hash of each connection's addresses (even
+on average, blind to load). This process binds and listens on all N before starting any
+(a socket bound later would miss the connections made before it) and keeps them: the
+connections waiting on a dead process's socket wait for the one started in its place.
+
+As uvicorn's supervisor: a process that exits or stops answering (its heartbeat thread
+silent for HUNG_S: stopped, or stuck holding the interpreter) is started again; one that
+fails before it ever served stops the command; SIGTERM, SIGINT or SIGHUP stops them all,
+each finishing what is in flight, and a second signal stops them at once. A process whose
+parent is gone stops too. Elsewhere (no load-balancing SO_REUSEPORT) the command uses
+uvicorn's workers.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from batchery.errors import ConfigError
 
 log = logging.getLogger(__name__)
 BALANCED = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
-STOP_GRACE_S = 30  # a stopping process finishes its requests in flight this long, no more
-BACKLOG = 2048     # connections waiting to be accepted, per process (uvicorn's default)
-POLL_S = 0.5       # how often the parent looks for a dead process to start again
+BACKLOG = 2048  # connections waiting to be accepted, per process (uvicorn's default)
+POLL_S = 0.5    # how often the parent looks at its processes
+BEAT_S = 1.0    # how often a serving process says it is alive
+HUNG_S = 10.0   # a serving process silent this long is killed and started again
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass
+class Child:
+    process: Any
+    beat: Any  # shared double: when it last said it was alive (0: not serving yet)
+
+    def served(self) -> bool:
+        return self.beat.value > 0
+
+    def hung(self) -> bool:
+        return self.served() and time.monotonic() - self.beat.value > HUNG_S
 
 
 def serve(processes: int, **uvicorn_config: Any) -> None:
-    """Run ``processes`` uvicorn servers on ``uvicorn_config``'s host and port until SIGTERM
-    or SIGINT; ``uvicorn_config`` names the app as an import string (each process imports it).
-    A process that dies after it served is started again; raises ConfigError if the port
-    cannot be bound, or, after stopping the others, if a process died before it could serve
-    (it logged why)."""
+    """Run ``processes`` uvicorn servers on ``uvicorn_config``'s host and port until a stop
+    signal; ``uvicorn_config`` names the app as an import string (each process imports it).
+    Raises ConfigError if the port cannot be bound, or, after stopping the others, if a
+    process failed before it ever served (it logged why)."""
     host, port = uvicorn_config["host"], uvicorn_config["port"]
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(processes):
-            sockets.append(_listen(host, port, uvicorn_config.get("backlog", BACKLOG)))
-    except ConfigError:
-        for sock in sockets:
-            sock.close()
-        raise
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no state forked
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    signals: list[int] = []  # the handler only appends: the loop below looks
+    previous = {s: signal.signal(s, lambda sig, _: signals.append(sig)) for s in STOP_SIGNALS}
 
-    def start(sock: socket.socket) -> tuple[Any, Any]:
-        serving = spawn.Event()
-        child = spawn.Process(target=_serve_one, args=(uvicorn_config, sock, serving),
-                              name="batchery-serve")
-        child.start()
-        return child, serving
+    def start(sock: socket.socket) -> Child:
+        beat = spawn.Value("d", 0.0, lock=False)
+        process = spawn.Process(target=_serve_one, args=(uvicorn_config, sock, beat),
+                                name="batchery-serve")
+        process.start()
+        return Child(process, beat)
 
-    children = [start(sock) for sock in sockets]
+    sockets: list[socket.socket] = []
+    children: list[Child] = []
     try:
-        while not stop.wait(POLL_S):
-            for i, (child, serving) in enumerate(children):
-                if child.is_alive():
+        sockets += [_listen(host, port, uvicorn_config.get("backlog", BACKLOG))
+                    for _ in range(processes)]
+        children += [start(sock) for sock in sockets]
+        while not signals:
+            time.sleep(POLL_S)
+            for i, child in enumerate(children):
+                if signals:
+                    break
+                if child.hung():
+                    log.warning("serving process %d silent for %.0f s: killing it",
+                                child.process.pid, HUNG_S)
+                    child.process.kill()
+                    child.process.join()
+                elif child.process.is_alive():
                     continue
-                if not serving.is_set():
+                if not child.served() and child.process.exitcode > 0:
                     raise ConfigError(f"a serving process could not start on port {port} "
-                                      f"(exit code {child.exitcode}; its error is above)")
+                                      f"(exit code {child.process.exitcode}; its error is above)")
                 log.warning("serving process %d exited (code %s): starting another",
-                            child.pid, child.exitcode)
+                            child.process.pid, child.process.exitcode)
                 children[i] = start(sockets[i])
     finally:
-        for child, _ in children:
-            child.terminate()  # SIGTERM: uvicorn finishes what is in flight
-        for child, _ in children:
-            child.join(STOP_GRACE_S)
-            if child.is_alive():
-                child.kill()
+        _stop(children, signals)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for sock in sockets:
             sock.close()
+
+
+def _stop(children: list[Child], signals: list[int]) -> None:
+    """SIGTERM each process (uvicorn finishes what is in flight) and wait for them all; a
+    signal to this process meanwhile kills those still running."""
+    asked = len(signals)
+    for child in children:
+        child.process.terminate()
+    for child in children:
+        while child.process.is_alive():
+            child.process.join(POLL_S)
+            if len(signals) > asked:
+                for other in children:
+                    other.process.kill()
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -96,17 +130,25 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _serve_one(uvicorn_config: dict[str, Any], sock: socket.socket, serving: Any) -> None:
-    """One process: uvicorn on its socket of the port; ``serving`` is set once it serves."""
+def _serve_one(uvicorn_config: dict[str, Any], sock: socket.socket, beat: Any) -> None:
+    """One process: uvicorn on its socket of the port, and a thread that beats."""
     import uvicorn
     server = uvicorn.Server(uvicorn.Config(**uvicorn_config))
-    threading.Thread(target=_tell_when_serving, args=(server, serving), daemon=True).start()
-    server.run(sockets=[sock])
+    threading.Thread(target=_beat, args=(server, beat), daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C reached this process too: uvicorn stopped it gracefully
+        pass
 
 
-def _tell_when_serving(server: Any, serving: Any) -> None:
-    while not server.started:
-        if server.should_exit:
+def _beat(server: Any, beat: Any) -> None:
+    """Once ``server`` serves, say so every BEAT_S; stop it if the parent is gone."""
+    parent = multiprocessing.parent_process()
+    while not server.should_exit:
+        if server.started:
+            beat.value = time.monotonic()
+        wait_s = BEAT_S if server.started else 0.05
+        if parent is not None and multiprocessing.connection.wait([parent.sentinel], wait_s):
+            log.warning("the `batchery serve` process is gone: stopping")
+            server.should_exit = True
             return
-        time.sleep(0.05)
-    serving.set()

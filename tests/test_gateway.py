@@ -10,6 +10,8 @@ import multiprocessing
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -21,7 +23,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from batchery import Client
-from tests.conftest import RedisServer, free_port, run_cli, start_worker, stop_process, wait_for
+from tests.conftest import (ROOT, RedisServer, cli_env, free_port, run_cli, start_worker,
+                            stop_process, wait_for)
 from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
 
 pytestmark = pytest.mark.slow
@@ -244,7 +247,7 @@ def test_no_keys_means_loopback_only(redis_server) -> None:
 
 
 def _served_by(parent: int) -> set[int]:
-    """The processes `serve --processes N` started (uvicorn's, not multiprocessing's helper)."""
+    """The processes `serve --processes N` started (not multiprocessing's helpers)."""
     listed = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
     pids = set()
     for pid in map(int, listed):
@@ -295,7 +298,12 @@ def _connections_held(pids: set[int], port: int) -> dict[int, int]:
                 on_port.add(fields[9])  # the socket's inode
     held = {}
     for pid in pids:
-        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        links = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                links.append(os.readlink(fd))
+            except OSError:  # closed meanwhile
+                pass
         held[pid] = sum(link[len("socket:["):-1] in on_port for link in links
                         if link.startswith("socket:["))
     return held
@@ -332,13 +340,89 @@ def test_without_processes_serve_takes_half_the_usable_cpus_from_two_to_four() -
         [1, 1, 1, 2, 2, 3, 3, 4, 4, 4]
 
 
-def test_a_serving_process_that_cannot_start_stops_them_all_with_a_clear_error(tmp_path) -> None:
+@pytest.mark.parametrize("cpus,spawned", [(2, 0), (8, 4)])
+def test_serve_without_processes_starts_as_many_as_its_cpus_call_for(redis_server, tmp_path,
+                                                                      cpus, spawned) -> None:
+    """The command as a user runs it, on a host of ``cpus`` usable CPUs (2: one process,
+    no others spawned)."""
+    port = free_port()
+    code = (f"import batchery.config as c; c.usable_cpus = lambda: {cpus}\n"
+            "from batchery.cli import main; main()")
+    with open(tmp_path / "serve.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port),
+                                 "--files-dir", str(tmp_path / "files")], cwd=ROOT,
+                                env=cli_env(redis_server.url), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: _answers_ready(port, proc), 60, 0.1, message="serve answering")
+        wait_for(lambda: len(_served_by(proc.pid)) == spawned, 60, 0.1,
+                 message=f"{spawned} processes spawned")
+    finally:
+        stop_process(proc)
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def _answers_ready(port: int, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, f"serve exited {proc.returncode}"
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", "/ready")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+def test_a_serving_process_that_cannot_start_stops_them_all_with_a_clear_error(
+        tmp_path, monkeypatch) -> None:
+    """One process fails at startup, the other would serve: the command stops both."""
     from batchery.errors import ConfigError
     from batchery.gateway.processes import serve as serve_processes
+    from tests.serve_apps import ENV_MARKER
+    monkeypatch.setenv(ENV_MARKER, str(tmp_path / "first"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     with pytest.raises(ConfigError, match="could not start on port"):
-        serve_processes(2, app="tests.no_such_module:app", factory=True, host="127.0.0.1",
-                        port=free_port(), log_level="critical")
+        serve_processes(2, app="tests.serve_apps:first_fails", factory=True,
+                        host="127.0.0.1", port=free_port(), log_level="critical")
     assert not multiprocessing.active_children()
+
+
+def test_a_serving_process_that_stops_answering_is_replaced(redis_server, tmp_path) -> None:
+    """SIGSTOP one of two: its heartbeat falls silent, the command kills it and starts
+    another on its socket, and the connections dealt to that socket are answered again."""
+    with serve(redis_server.url, tmp_path, "--processes", "2") as served:
+        wait_for(lambda: len(_served_by(served.proc.pid)) == 2, 60, 0.1,
+                 message="two processes serving")
+        frozen = min(_served_by(served.proc.pid))
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            wait_for(lambda: frozen not in _served_by(served.proc.pid)
+                     and len(_served_by(served.proc.pid)) == 2, 60, 0.2,
+                     message="the silent process replaced")
+        finally:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for _ in range(16):  # new connections, dealt over both sockets: each answered
+            assert served.get("/health")[0] == 200
+    assert "silent for" in served.log.read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_the_serving_processes_end_with_the_command(redis_server, tmp_path, sig) -> None:
+    """SIGHUP stops the command and its processes; after SIGKILL, which the command cannot
+    pass on, its processes notice it is gone and stop."""
+    with serve(redis_server.url, tmp_path, "--processes", "2") as served:
+        wait_for(lambda: len(_served_by(served.proc.pid)) == 2, 60, 0.1,
+                 message="two processes serving")
+        children = _served_by(served.proc.pid)
+        os.kill(served.proc.pid, sig)
+        served.proc.wait(30)
+        for pid in children:
+            wait_for(lambda: not Path(f"/proc/{pid}").exists()
+                     or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower(), 30, 0.1,
+                     message=f"serving process {pid} stopped")
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])

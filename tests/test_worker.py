@@ -297,13 +297,21 @@ def test_a_containers_cpu_limit_caps_the_cpus_a_process_sizes_itself_to(tmp_path
     """Workers (threads, parallel batches) and `batchery serve` (its processes) size
     themselves to usable_cpus."""
     from batchery import config
-    limit = tmp_path / "cpu.max"
+    limit, v1 = tmp_path / "cpu.max", tmp_path / "v1"
     monkeypatch.setattr(config, "CGROUP_CPU_MAX", str(limit))
+    monkeypatch.setattr(config, "CGROUP_V1_CPU", str(v1))
     affinity = len(os.sched_getaffinity(0))
     assert config.usable_cpus() == affinity  # no cgroup file: the affinity
     limit.write_text("150000 100000\n")      # 1.5 CPUs
     assert config.usable_cpus() == 1
     limit.write_text("max 100000\n")
+    assert config.usable_cpus() == affinity
+    limit.unlink()  # cgroup v1: a quota and a period in two files, -1 for none
+    v1.mkdir()
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    assert config.usable_cpus() == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert config.usable_cpus() == affinity
 
 
