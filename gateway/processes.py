@@ -10,8 +10,8 @@ on average, blind to load). This process binds and listens on all N before start
 connections waiting on a dead process's socket wait for the one started in its place.
 
 As uvicorn's supervisor: a process that exits or stops answering (its heartbeat thread
-silent for HUNG_S: stopped, or stuck holding the interpreter) is started again; one that
-fails before it ever served stops the command; SIGTERM, SIGINT or SIGHUP stops them all,
+silent for HUNG_S, or never heard START_S after the spawn: stopped, or stuck holding the
+interpreter) is started again; one that fails with an error before it ever served stops the command; SIGTERM, SIGINT or SIGHUP stops them all,
 each finishing what is in flight, and a second signal stops them at once. A process whose
 parent is gone stops too. Elsewhere (no load-balancing SO_REUSEPORT) the command uses
 uvicorn's workers.
@@ -27,30 +27,38 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchery.errors import ConfigError
 
 log = logging.getLogger(__name__)
 BALANCED = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
-BACKLOG = 2048  # connections waiting to be accepted, per process (uvicorn's default)
-POLL_S = 0.5    # how often the parent looks at its processes
-BEAT_S = 1.0    # how often a serving process says it is alive
-HUNG_S = 10.0   # a serving process silent this long is killed and started again
+LISTEN_BACKLOG = 2048  # connections waiting to be accepted, per process (uvicorn's default)
+SUPERVISE_S = 0.5  # how often the parent looks at its processes
+BEAT_S = 1.0  # how often a process says it is alive (once serving; every 50 ms before)
+HUNG_S = 10.0  # a process silent this long since its last beat is killed and started again
+START_S = 60.0  # and one that has not beaten this long after it was spawned (interpreter
+                # start and imports come first: seconds on a loaded 2-core machine)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
 class Child:
     process: Any
-    beat: Any  # shared double: when it last said it was alive (0: not serving yet)
+    beat: Any     # shared double: when it last said it was alive (0: not yet)
+    serving: Any  # shared flag: it has served
+    started: float = field(default_factory=time.monotonic)
 
     def served(self) -> bool:
-        return self.beat.value > 0
+        return bool(self.serving.value)
 
     def hung(self) -> bool:
-        return self.served() and time.monotonic() - self.beat.value > HUNG_S
+        """Silent for HUNG_S since its last beat, or no beat START_S after it was spawned."""
+        last = self.beat.value
+        if not last:
+            return time.monotonic() - self.started > START_S
+        return time.monotonic() - last > HUNG_S
 
 
 def serve(processes: int, **uvicorn_config: Any) -> None:
@@ -64,20 +72,20 @@ def serve(processes: int, **uvicorn_config: Any) -> None:
     previous = {s: signal.signal(s, lambda sig, _: signals.append(sig)) for s in STOP_SIGNALS}
 
     def start(sock: socket.socket) -> Child:
-        beat = spawn.Value("d", 0.0, lock=False)
-        process = spawn.Process(target=_serve_one, args=(uvicorn_config, sock, beat),
+        beat, serving = spawn.Value("d", 0.0, lock=False), spawn.Value("b", 0, lock=False)
+        process = spawn.Process(target=_serve_one, args=(uvicorn_config, sock, beat, serving),
                                 name="batchery-serve")
         process.start()
-        return Child(process, beat)
+        return Child(process, beat, serving)
 
     sockets: list[socket.socket] = []
     children: list[Child] = []
     try:
-        sockets += [_listen(host, port, uvicorn_config.get("backlog", BACKLOG))
+        sockets += [_listen(host, port, uvicorn_config.get("backlog", LISTEN_BACKLOG))
                     for _ in range(processes)]
         children += [start(sock) for sock in sockets]
         while not signals:
-            time.sleep(POLL_S)
+            time.sleep(SUPERVISE_S)
             for i, child in enumerate(children):
                 if signals:
                     break
@@ -110,7 +118,7 @@ def _stop(children: list[Child], signals: list[int]) -> None:
         child.process.terminate()
     for child in children:
         while child.process.is_alive():
-            child.process.join(POLL_S)
+            child.process.join(SUPERVISE_S)
             if len(signals) > asked:
                 for other in children:
                     other.process.kill()
@@ -130,23 +138,26 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _serve_one(uvicorn_config: dict[str, Any], sock: socket.socket, beat: Any) -> None:
+def _serve_one(uvicorn_config: dict[str, Any], sock: socket.socket, beat: Any,
+               serving: Any) -> None:
     """One process: uvicorn on its socket of the port, and a thread that beats."""
     import uvicorn
     server = uvicorn.Server(uvicorn.Config(**uvicorn_config))
-    threading.Thread(target=_beat, args=(server, beat), daemon=True).start()
+    threading.Thread(target=_beat, args=(server, beat, serving), daemon=True).start()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C reached this process too: uvicorn stopped it gracefully
         pass
 
 
-def _beat(server: Any, beat: Any) -> None:
-    """Once ``server`` serves, say so every BEAT_S; stop it if the parent is gone."""
+def _beat(server: Any, beat: Any, serving: Any) -> None:
+    """Say this process is alive every BEAT_S, and once ``server`` serves, that it does;
+    stop it if the parent is gone."""
     parent = multiprocessing.parent_process()
     while not server.should_exit:
+        beat.value = time.monotonic()
         if server.started:
-            beat.value = time.monotonic()
+            serving.value = 1
         wait_s = BEAT_S if server.started else 0.05
         if parent is not None and multiprocessing.connection.wait([parent.sentinel], wait_s):
             log.warning("the `batchery serve` process is gone: stopping")

@@ -392,7 +392,9 @@ def test_a_serving_process_that_stops_answering_is_replaced(redis_server, tmp_pa
     another on its socket, and the connections dealt to that socket are answered again."""
     with serve(redis_server.url, tmp_path, "--processes", "2") as served:
         wait_for(lambda: len(_served_by(served.proc.pid)) == 2, 60, 0.1,
-                 message="two processes serving")
+                 message="two processes spawned")
+        for _ in range(16):  # over both sockets (all on one: 1 in 30,000): both serve now
+            assert served.get("/health")[0] == 200
         frozen = min(_served_by(served.proc.pid))
         os.kill(frozen, signal.SIGSTOP)
         try:

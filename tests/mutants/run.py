@@ -16,6 +16,7 @@ SURVIVED, and the run exits 1.
 from __future__ import annotations
 
 import argparse
+import configparser
 import os
 import shutil
 import subprocess
@@ -29,8 +30,20 @@ from pathlib import Path
 from tests.mutants.faults import FAULTS, Fault
 
 ROOT = Path(__file__).resolve().parents[2]
-# subpackages installed from top-level folders (setup.cfg package_dir)
-SUBPACKAGES = ("producer", "workers", "batching", "dashboard")
+
+
+def top_level_subpackages() -> list[str]:
+    """The subpackages installed from top-level folders: setup.cfg's package_dir entries
+    ``batchery.X = X`` (a fault planted in a folder missing here would not be imported)."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    entries = (line.split("=") for line in config["options"]["package_dir"].splitlines()
+               if "=" in line)
+    return [folder.strip() for name, folder in entries
+            if name.strip() == f"batchery.{folder.strip()}"]
+
+
+SUBPACKAGES = top_level_subpackages()  # producer, workers, batching, dashboard, gateway
 PER_FAULT_TIMEOUT_S = 900
 
 
@@ -81,12 +94,14 @@ def environment(tree: Path) -> dict[str, str]:
 
 
 def check_imports_the_copy(tree: Path) -> None:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import batchery.batching.queue as q, batchery.workers.loop as w;"
-         "print(q.__file__); print(w.__file__)"],
-        cwd=tree, env=environment(tree), capture_output=True, text=True, timeout=120)
+    """Every subpackage imports from the copy (an editable install maps them elsewhere)."""
+    code = "import importlib\n" + "".join(
+        f"print(importlib.import_module('batchery.{package}').__file__)\n"
+        for package in SUBPACKAGES)
+    probe = subprocess.run([sys.executable, "-c", code], cwd=tree, env=environment(tree),
+                           capture_output=True, text=True, timeout=120)
     paths = probe.stdout.split()
-    if probe.returncode or len(paths) != 2 or not all(
+    if probe.returncode or len(paths) != len(SUBPACKAGES) or not all(
             Path(p).resolve().is_relative_to(tree.resolve()) for p in paths):
         raise RuntimeError(f"the copy in {tree} is not what Python imports: {probe.stdout}"
                            f"{probe.stderr}")
