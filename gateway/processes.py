@@ -53,12 +53,13 @@ class Child:
     def served(self) -> bool:
         return bool(self.serving.value)
 
+    def silent_s(self) -> float:
+        """Seconds since its last beat, or since it was spawned if none yet."""
+        return time.monotonic() - (self.beat.value or self.started)
+
     def hung(self) -> bool:
         """Silent for HUNG_S since its last beat, or no beat START_S after it was spawned."""
-        last = self.beat.value
-        if not last:
-            return time.monotonic() - self.started > START_S
-        return time.monotonic() - last > HUNG_S
+        return self.silent_s() > (HUNG_S if self.beat.value else START_S)
 
 
 def serve(processes: int, **uvicorn_config: Any) -> None:
@@ -91,7 +92,7 @@ def serve(processes: int, **uvicorn_config: Any) -> None:
                     break
                 if child.hung():
                     log.warning("serving process %d silent for %.0f s: killing it",
-                                child.process.pid, HUNG_S)
+                                child.process.pid, child.silent_s())
                     child.process.kill()
                     child.process.join()
                 elif child.process.is_alive():
