@@ -128,7 +128,7 @@ def serve(host: str | None, port: int, queues: tuple[str, ...], keys_file: str |
     # each process imports the app's factory, which reads the settings from the environment
     os.environ[ENV_SERVE_SETTINGS] = json.dumps(asdict(settings))
     factory = {"app": f"{__name__}:app_from_environment", "factory": True}
-    if BALANCED:  # a socket per process: the kernel spreads the connections evenly
+    if BALANCED:  # a socket per process: the kernel spreads the connections over them
         serve_processes(processes, **factory, **listen)
     else:  # uvicorn's workers, on one shared socket
         uvicorn.run(**factory, workers=processes, **listen)

@@ -39,11 +39,14 @@ class Served:
 
 
 @contextmanager
-def serve(redis_url: str, tmp_path: Path, *args: str, **env: str) -> Iterator[Served]:
-    """`batchery serve` on a free loopback port; stopped at the end."""
+def serve(redis_url: str, tmp_path: Path, *args: str, launcher: tuple[str, ...] = (),
+          **env: str) -> Iterator[Served]:
+    """`batchery serve` on a free loopback port; stopped at the end. ``launcher``: the
+    command line before ``serve`` (default: ``python -m batchery``)."""
     port = free_port()
     log = tmp_path / f"serve-{port}.log"
-    command = [sys.executable, "-m", "batchery", "serve", "--port", str(port), *args]
+    command = [*(launcher or (sys.executable, "-m", "batchery")), "serve", "--port", str(port),
+               *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=cli_env(redis_url, **env), stdout=out,
                                 stderr=subprocess.STDOUT)

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import uuid
@@ -23,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from batchery import Client
-from tests.conftest import (ROOT, RedisServer, cli_env, free_port, run_cli, start_worker,
+from tests.conftest import (ROOT, RedisServer, free_port, run_cli, start_worker,
                             stop_process, wait_for)
 from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
 
@@ -345,32 +344,13 @@ def test_serve_without_processes_starts_as_many_as_its_cpus_call_for(redis_serve
                                                                       cpus, spawned) -> None:
     """The command as a user runs it, on a host of ``cpus`` usable CPUs (2: one process,
     no others spawned)."""
-    port = free_port()
     code = (f"import batchery.config as c; c.usable_cpus = lambda: {cpus}\n"
             "from batchery.cli import main; main()")
-    with open(tmp_path / "serve.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port),
-                                 "--files-dir", str(tmp_path / "files")], cwd=ROOT,
-                                env=cli_env(redis_server.url), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: _answers_ready(port, proc), 60, 0.1, message="serve answering")
-        wait_for(lambda: len(_served_by(proc.pid)) == spawned, 60, 0.1,
+    with serve(redis_server.url, tmp_path, "--files-dir", str(tmp_path / "files"),
+               launcher=(sys.executable, "-c", code)) as served:
+        wait_for(lambda: len(_served_by(served.proc.pid)) == spawned, 60, 0.1,
                  message=f"{spawned} processes spawned")
-    finally:
-        stop_process(proc)
-    assert "Traceback" not in (tmp_path / "serve.log").read_text()
-
-
-def _answers_ready(port: int, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, f"serve exited {proc.returncode}"
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        connection.request("GET", "/ready")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        connection.close()
+    assert "Traceback" not in served.log.read_text()
 
 
 def test_a_serving_process_that_cannot_start_stops_them_all_with_a_clear_error(
