@@ -148,6 +148,29 @@ def test_a_retried_claim_returns_the_batch_its_lost_reply_held(
     assert through_proxy.claim("w#1", 10, 10_000, 0, 10).batch == []
 
 
+def test_a_claim_asked_again_keeps_its_expired_requests_apart_and_drops_what_it_lost(
+        queue: RequestQueue) -> None:
+    """The remembered claim (its ids, how many of them expired first, its wait and head
+    rank) gives the same split again, less a request cancelled since."""
+    queue.enqueue([Request.validated(id="late", input=0, deadline=0.001)], "c")
+    queue.enqueue([Request(id=f"r{i}", input=i) for i in range(3)], "c")
+    expire_ms = int(queue.client.hget(queue.keys.sched, "late").split(":")[1])
+
+    def redis_ms() -> int:
+        seconds, micros = queue.client.time()
+        return seconds * 1000 + micros // 1000
+    wait_for(lambda: redis_ms() > expire_ms, 5, message="the deadline to pass on Redis' clock")
+    first = queue.claim("w#1", 10, 10_000, 0, 10)
+    assert [r.id for r in first.expired] == ["late"]
+    assert [r.id for r in first.batch] == ["r0", "r1", "r2"]
+    again = queue.claim("w#1", 10, 10_000, 0, 10)
+    assert ([r.id for r in again.expired], [r.id for r in again.batch]) == (["late"], ["r0", "r1", "r2"])
+    assert (again.wait_ms, again.batch[0].chosen_against) == (first.wait_ms, first.batch[0].chosen_against)
+    queue.cancel(["r1"])
+    once_more = queue.claim("w#1", 10, 10_000, 0, 10)
+    assert ([r.id for r in once_more.expired], [r.id for r in once_more.batch]) == (["late"], ["r0", "r2"])
+
+
 def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
                                              flaky: tuple[FaultyProxy, RequestQueue]) -> None:
     proxy, through_proxy = flaky

@@ -105,9 +105,11 @@ local function remembered_reply(call_key)
 end
 
 -- Keep `reply` (a list of integers) so that this call retried gets it again.
+-- (a request's status is one digit: written from this table, not formatted per request)
+local DIGITS = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
 local function remember_reply(call_key, reply)
   local parts = {}
-  for i, v in ipairs(reply) do parts[i] = fmt_int(v) end
+  for i, v in ipairs(reply) do parts[i] = DIGITS[v] or fmt_int(v) end
   rcall('SET', call_key, table.concat(parts, ','), 'EX', CALL_MEMORY_S)
   return reply
 end

@@ -8,7 +8,7 @@
 -- K.owner      HASH id -> lease token
 -- K.settings   HASH
 -- K.depth      HASH class -> queued count
--- K.claim     STRING this token's claim, {"wait", "expired", "batch"} ids as JSON
+-- K.claim     STRING this token's claim remembered: its wait, head rank and ids (below)
 -- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --          counters (_common.lua fair_*)   K.served  HASH tenant -> tokens claimed
 -- K.rates  HASH tenant -> "level:ms": the token bucket of a tenant with a token rate
@@ -154,24 +154,28 @@ local function write_counts()
   call_chunked('HSET', K.sched, writes)
 end
 
--- A remembered claim's reply: the ids of its batch still leased to this token.
-local function leased_reply(wait, expired_ids, batch_ids, head_rank)
-  local out_ids, n_expired = {}, 0
-  for part, list in ipairs({expired_ids, batch_ids}) do
-    for _, id in ipairs(list) do
-      if rcall('HGET', K.owner, id) == token then
-        out_ids[#out_ids + 1] = id
-        if part == 1 then n_expired = n_expired + 1 end
-      end
+-- A remembered claim's reply: the ids of its batch still leased to this token (the
+-- first n_expired of them expired).
+local function leased_reply(wait, ids, n_expired, head_rank)
+  local out_ids, n_out_expired = {}, 0
+  for i, id in ipairs(ids) do
+    if rcall('HGET', K.owner, id) == token then
+      out_ids[#out_ids + 1] = id
+      if i <= n_expired then n_out_expired = n_out_expired + 1 end
     end
   end
-  return reply_for(wait, out_ids, n_expired, nil, head_rank)
+  return reply_for(wait, out_ids, n_out_expired, nil, head_rank)
 end
 
+-- The remembered claim: "wait\nhead_rank\nn_expired\nid\nid..." (ids hold no control
+-- character: batching/request.py check_name), the expired ids first.
 local remembered = rcall('GET', K.claim)
 if remembered then
-  local c = cjson.decode(remembered)
-  return leased_reply(c.wait, c.expired, c.batch, c.head)
+  local fields = {}
+  for v in string.gmatch(remembered, '[^\n]+') do fields[#fields + 1] = v end
+  local ids = {}
+  for i = 4, #fields do ids[i - 3] = fields[i] end
+  return leased_reply(tonumber(fields[1]), ids, tonumber(fields[3]), tonumber(fields[2]))
 end
 
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
@@ -515,11 +519,10 @@ end
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
 local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
-local expired_ids, batch_ids, n_expired = {}, {}, #expired
+local n_expired = #expired
 for n, i in ipairs(take) do
   local id = ids[i]
   out_ids[n], out_scheds[n] = id, scheds[i]
-  if n <= n_expired then expired_ids[n] = id else batch_ids[n - n_expired] = id end
   zargs[2 * n - 1], zargs[2 * n] = expiry, id
   oargs[2 * n - 1], oargs[2 * n] = id, token
 end
@@ -533,9 +536,8 @@ call_chunked('ZADD', K.leased, zargs)
 call_chunked('HSET', K.owner, oargs)
 if wide then widen(false, {K.owner}, {K.leased}) end
 add_depth(K.depth, counts)
--- cjson writes an empty table as {}: the reader iterates either shape the same way
-rcall('SET', K.claim, cjson.encode({wait = wait, expired = expired_ids, batch = batch_ids,
-                                   head = head_rank}), 'PX', lease_ms)
+rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
+                                    table.concat(out_ids, '\n')}, '\n'), 'PX', lease_ms)
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
 -- its next claim will read (a batch's worth from the new head). A candidate taken by
 -- another worker in between costs nothing but its count's bytes; one still estimated
@@ -563,4 +565,4 @@ if price_estimates and n_priced > 0 then
     end
   end
 end
-return reply_for(wait, out_ids, #expired_ids, out_scheds, head_rank, ahead)
+return reply_for(wait, out_ids, n_expired, out_scheds, head_rank, ahead)
