@@ -1,14 +1,16 @@
 """redis-server's instructions per request, by part: a count that a shared machine's noise
 does not move, for comparing two versions of the scripts.
 
-``python -m bench.redis_instructions [-n N] [--backlog B] [--exact]`` starts a private redis-server
+``python -m bench.redis_instructions [-n N] [--backlog B] [--exact] [--text]`` starts a private redis-server
 under valgrind's callgrind (it must be installed) and drives the scripts in the shapes
 the defaults give them, one call at a time: enqueues of 500, claims of 64 by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
 commits of 64 with the worker holding two batches, result delivery as the Client does
 it (pop the reply list, delete the results read), B requests (default 1,000) standing
 in the queue throughout, as in ``bench.redis_time``'s run; ``--exact``: the producer
-counts tokens, as one with transformers does (else it estimates). After each call it has
+counts tokens, as one with transformers does (else it estimates); ``--text``: the inputs
+are standard-library paragraphs of varied length, counted by their words, not integers
+of one token each. After each call it has
 callgrind write out and zero its counts, and it sums them by part: instructions per
 request of enqueue, claim, commit and delivery, and of its unit, a pipelined ZADD (a
 new member each, 1,000 to a pipeline, into a key of 100,000 members: what
@@ -37,7 +39,8 @@ from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
 from batchery.embedded import find_redis_server
 from batchery.workers.options import WorkerOptions
-from bench import common
+from bench import common, corpus
+from bench.runners import words
 
 DEFAULTS = WorkerOptions()  # the worker's defaults: the claims' shape
 ENQUEUE_BATCH = 500  # Client.map's requests per enqueue call
@@ -48,16 +51,22 @@ ZADDS = 1000  # the unit's pipeline, as bench.redis_time times it
 UNIT_KEY_SIZE = 100_000
 
 
-def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bool = False) -> None:
+def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bool = False,
+          text: bool = False) -> None:
     """n requests through the scripts; ``dump(part)`` after each call. ``exact``: the
-    producer counts tokens (as one with transformers does), else it estimates."""
-    priced = {"tokens": 1} if exact else {}
+    producer counts tokens (as one with transformers does), else it estimates. ``text``:
+    each input a standard-library paragraph (bench.corpus), counted by its words
+    (bench.runners.words); else the integer i, one token each."""
+    texts = corpus.paragraphs(n + backlog) if text else None
     conn = redis.Redis.from_url(url, decode_responses=True)
     queue = RequestQueue(conn, "instructions")
+
+    def requests(prefix: str, lo: int, hi: int, first: int) -> list[Request]:
+        values = [texts[first + i] if texts else i for i in range(lo, hi)]
+        return [Request(id=f"{prefix}{i}", input=v, **({"tokens": words(v)} if exact else {}))
+                for i, v in zip(range(lo, hi), values)]
     for lo in range(0, backlog, ENQUEUE_BATCH):
-        queue.enqueue([Request(id=f"b{i}", input=i, **priced)
-                       for i in range(lo, min(backlog, lo + ENQUEUE_BATCH))],
-                      "bench")
+        queue.enqueue(requests("b", lo, min(backlog, lo + ENQUEUE_BATCH), n), "bench")
     dump("")  # the backlog's enqueues are not counted
     ahead: list[Any] = []
     claims = 0
@@ -68,16 +77,16 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                            DEFAULTS.claim_lookahead, True, counts)
     for lo in range(0, n, ENQUEUE_BATCH):
         size = min(ENQUEUE_BATCH, n - lo)
-        queue.enqueue([Request(id=f"r{i}", input=i, **priced) for i in range(lo, lo + size)], "bench")
+        queue.enqueue(requests("r", lo, lo + size, 0), "bench")
         dump("enqueue")
         got, held = 0, []
         while got < size or held:
             if got < size:
                 claims += 1
                 token = f"w#{claims}"
-                reply = claim(token, [(i, 1) for i, _ in ahead])
+                reply = claim(token, [(i, words(v)) for i, v in ahead])
                 if reply.to_price:  # the first claim: a pricing round
-                    reply = claim(token, [(i, 1) for i, _ in reply.to_price])
+                    reply = claim(token, [(i, words(v)) for i, v in reply.to_price])
                 dump("claim")
                 ahead = reply.price_ahead
                 if not reply.batch:
@@ -192,15 +201,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
     p.add_argument("--backlog", type=int, default=1000, help="requests standing in the queue")
+    p.add_argument("--text", action="store_true", help="inputs of varied length, counted by their "
+                   "words: standard-library paragraphs (default: integers, one token each)")
     p.add_argument("--exact", action="store_true",
                    help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
-    used = count(functools.partial(drive, exact=args.exact), args.n, args.backlog)
+    used = count(functools.partial(drive, exact=args.exact, text=args.text), args.n, args.backlog)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
-          f"{args.backlog:,}; the producer {'counts tokens' if args.exact else 'estimates'}; "
+          f"{args.backlog:,}; {'paragraphs' if args.text else 'integers'}; "
+          f"the producer {'counts tokens' if args.exact else 'estimates'}; "
           f"{common.machine()}):\n")
     print(parts_table(used))
     common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, "exact": args.exact,
+                                       "text": args.text,
                                        **used})
     return used
 

@@ -25,7 +25,10 @@ add, one claim, one result write, one delivery: a few ZADDs).
 ``--producer-first``: each run enqueues its N requests first (500 a call, as ``Client.map``),
 then starts the worker and waits for the results. ``--exact``: the producer sends each
 request's count, as one with the queue's tokenizer does (by default it estimates, as one
-without transformers: the no-op queue names no tokenizer).
+without transformers: the no-op queue names no tokenizer). ``--text``: the inputs are
+standard-library paragraphs of varied length (bench.corpus) and the worker counts their
+words (``bench.runners:noop_words``), so claims group varied lengths as with a real
+tokenizer; by default they are integers of one token each.
 
 ``python -m bench.redis_time --phases [-n N] [--repeat R]`` measures the parts one at a time
 instead, without the slow log: N requests enqueued (500 per call), claimed (batches of
@@ -48,7 +51,8 @@ from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from batchery.producer.client import ENQUEUE_CHUNK
-from bench import common
+from bench import common, corpus
+from bench.runners import words
 
 # entries kept: a 100,000-request run logs about 800,000 (its ~1,500 top-level calls and
 # every command the scripts call), some 200 MB of redis-server memory until read
@@ -212,28 +216,29 @@ def zadd_us(url: str, n: int = 200_000) -> float:
 
 
 def end_to_end(url: str, client: Client, n: int, split: bool, exact: bool = False,
-               producer_first: bool = False) -> dict[str, Any]:
+               producer_first: bool = False, text: bool = False) -> dict[str, Any]:
     """n no-op requests through a worker: redis-server CPU us per request (/proc), and with
     ``split`` the slow log's split by part. ``Client.map`` to a worker already serving;
     ``producer_first``: every request enqueued (``enqueue_many``), then the worker started,
     the results awaited; ``exact``: each request with its count, as a producer with the
-    queue's tokenizer sends it (else priced by estimate)."""
+    queue's tokenizer sends it (else priced by estimate); ``text``: the inputs are
+    standard-library paragraphs, their worker counting their words (else integers)."""
     pid = common.redis_pid(url)
     before = common.cpu_seconds(pid)
     workers: list[Any] = []
+    inputs = corpus.paragraphs(n) if text else list(range(n))
     try:
         with RedisTime(url, E2E_QUEUE, enabled=split) as timing:
             if producer_first:
-                priced = {"tokens": 1} if exact else {}
                 handles = [h for lo in range(0, n, ENQUEUE_CHUNK)  # Client.map's calls
-                           for h in client.enqueue_many({"input": i, **priced}
-                                                        for i in range(lo, min(n, lo + ENQUEUE_CHUNK)))]
-                workers.append(noop_worker(url))
+                           for h in client.enqueue_many(request(v, exact)
+                                                        for v in inputs[lo:lo + ENQUEUE_CHUNK])]
+                workers.append(noop_worker(url, text))
                 results = [h.result(timeout=600) for h in handles]
             elif exact:
-                results = list(client.stream({"input": i, "tokens": 1} for i in range(n)))
+                results = list(client.stream(request(v, exact) for v in inputs))
             else:
-                results = client.map(range(n))
+                results = client.map(inputs)
         used = 1e6 * (common.cpu_seconds(pid) - before) / n
     finally:
         common.stop(workers)
@@ -241,26 +246,33 @@ def end_to_end(url: str, client: Client, n: int, split: bool, exact: bool = Fals
     return {"us": used, "split": timing.report(n) if split else None}
 
 
-def noop_worker(url: str) -> Any:
-    """``batchery worker --runner bench.runners:noop``, no other flag."""
-    return common.batchery_worker(url, E2E_QUEUE, "--runner", "bench.runners:noop")
+def request(value: Any, exact: bool) -> dict[str, Any]:
+    """A request of ``value``; ``exact``: with the count its worker will make (words)."""
+    return {"input": value, "tokens": words(value)} if exact else {"input": value}
 
 
-def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool = False
-                 ) -> dict[str, Any]:
+def noop_worker(url: str, text: bool = False) -> Any:
+    """``batchery worker --runner bench.runners:noop``, no other flag (``noop_words`` for
+    text: the same, counting words)."""
+    runner = "bench.runners:noop_words" if text else "bench.runners:noop"
+    return common.batchery_worker(url, E2E_QUEUE, "--runner", runner)
+
+
+def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool = False,
+                 text: bool = False) -> dict[str, Any]:
     """The per-script table, with defaults (see the module's docstring)."""
     with common.private_redis() as url:
         unit = min(zadd_us(url) for _ in range(3))
-        worker = noop_worker(url)
+        worker = noop_worker(url, text)
         try:
             with Client(url, E2E_QUEUE) as client:
                 common.wait_until(lambda: client.queue.stats()["workers"] >= 1, 60, "the worker")
                 client.map(range(1000))  # warm: scripts loaded, listener up
                 if producer_first:  # each run starts its own worker after its enqueues
                     common.stop([worker])
-                totals = [end_to_end(url, client, n, False, exact, producer_first)["us"]
+                totals = [end_to_end(url, client, n, False, exact, producer_first, text)["us"]
                           for _ in range(repeat)]
-                split = end_to_end(url, client, n, True, exact, producer_first)["split"]
+                split = end_to_end(url, client, n, True, exact, producer_first, text)["split"]
         finally:
             common.stop([worker])
     best = min(totals)
@@ -279,20 +291,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "request first, then starts the worker (default: the worker serves first)")
     p.add_argument("--exact", action="store_true", help="the producer counts tokens, as one "
                    "with the queue's tokenizer (default: it estimates, as one without transformers)")
+    p.add_argument("--text", action="store_true", help="inputs of varied length: standard-"
+                   "library paragraphs, the worker counting their words (default: integers)")
     args = p.parse_args(argv)
     repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
     if args.phases:
         return phases_main(args.n or 50_000, repeat)
     n = args.n or (10_000 if args.quick else 40_000)
-    out = defaults_run(n, repeat, args.exact, args.producer_first)
+    out = defaults_run(n, repeat, args.exact, args.producer_first, args.text)
     text = common.table(out["rows"], E2E_COLUMNS)
     order = "the producer first, then the worker" if args.producer_first else "the worker first"
     pricing = "counts tokens" if args.exact else "estimates"
-    print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; {order}; "
+    inputs = "paragraphs" if args.text else "integers"
+    print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; {inputs}; {order}; "
           f"the producer {pricing}; one pipelined ZADD = {out['zadd_us']:.2f} us; runs: "
           f"{', '.join(f'{u:.1f}' for u in out['runs_us'])} us; {common.machine()}):\n\n{text}\n\n"
           + common.table(out["commandstats"], TOP_COLUMNS) + "\n")
-    common.save("redis_time", {"machine": common.machine(), "requests": n, "exact": args.exact,
+    common.save("redis_time", {"machine": common.machine(), "requests": n, "exact": args.exact, "text": args.text,
                                "producer_first": args.producer_first, **out})
     return out
 

@@ -15,6 +15,21 @@ def noop() -> Any:
     return run
 
 
+def words(value: Any) -> int:
+    """A text's words plus 2 (a model's special tokens), else 1: counts that vary with the
+    text as a tokenizer's do, without loading one (``noop_words``, ``bench.redis_time --text``)."""
+    return len(value.split()) + 2 if isinstance(value, str) else 1
+
+
+def noop_words() -> Any:
+    """bench.runners:noop counting each text's words (``words``): the claims group
+    requests of varied lengths, as with a real tokenizer, and the model costs nothing."""
+    def run(inputs: list[Any]) -> list[Any]:
+        return [None] * len(inputs)
+    run.tokens = words  # type: ignore[attr-defined]
+    return run
+
+
 def noop_uncounted() -> Any:
     """bench.runners:noop without a token count: its worker claims on the producer's
     estimates, with no pricing round (what that round costs is the difference)."""

@@ -135,6 +135,34 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   return reply
 end
 
+-- A sched entry is its tokens ("~N" while estimated) and a tail that the requests of one
+-- enqueue call share (":expire:enqueued:rank:class:client:tenant"). With varied lengths
+-- nearly every entry differs from the next, so a claim splits the tokens off each entry
+-- (a plain find) and matches each distinct tail once: a pattern match costs more than the
+-- rest of a candidate's handling. read_entry(raw): {estimated, tokens text, tail, the
+-- tail's fields}, the tail's fields {expire ms, enqueued ms, class delay ms, the exact
+-- entries built from it by count}; NOT_AN_ENTRY (no fields) for what cannot be read.
+local NOT_AN_ENTRY = {}
+local entry_of, tail_of = {}, {}
+local function read_entry(raw)
+  local colon = string.find(raw, ':', 1, true)
+  local is_estimated = string.byte(raw, 1) == 126  -- '~'
+  local tokens = colon and string.sub(raw, is_estimated and 2 or 1, colon - 1)
+  local e = NOT_AN_ENTRY
+  if tokens and string.find(tokens, '^%d+$') then
+    local tail = string.sub(raw, colon)
+    local t = tail_of[tail]
+    if t == nil then
+      local expire, enq, rank = string.match(tail, '^:(%d+):(%d+):(%d+):[^:]+:')
+      t = expire and {tonumber(expire), tonumber(enq), tonumber(rank) - tonumber(enq), {}} or false
+      tail_of[tail] = t
+    end
+    if t then e = {is_estimated, tokens, tail, t} end
+  end
+  entry_of[raw] = e
+  return e
+end
+
 -- Write the counts of the counted candidates not taken (still in `counted`) to sched,
 -- where their entry is still marked estimated ("~N").
 local function write_counts()
@@ -143,12 +171,12 @@ local function write_counts()
     if counted[id] then rest_ids[#rest_ids + 1] = id end
   end
   if #rest_ids == 0 then return end
-  local raws, writes = hmget_chunked(K.sched, rest_ids), {}
+  local raws, writes, w = hmget_chunked(K.sched, rest_ids), {}, 0
   for n, id in ipairs(rest_ids) do
-    local rest = raws[n] and string.match(raws[n], '^~%d+(:.*)$')
-    if rest then
-      writes[#writes + 1] = id
-      writes[#writes + 1] = counted[id] .. rest
+    local e = raws[n] and (entry_of[raws[n]] or read_entry(raws[n])) or NOT_AN_ENTRY
+    if e[1] then  -- still estimated
+      writes[w + 1], writes[w + 2] = id, counted[id] .. e[3]
+      w = w + 2
     end
   end
   call_chunked('HSET', K.sched, writes)
@@ -269,22 +297,22 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
     members[#members + 1] = e[1]
     touch(e[2], e[3], 0)
   end
-  local by_sched = {}  -- taken requests by sched entry (no id in it: many share one)
+  local by_tail = {}  -- taken requests by their entry's tail (the requests of one call share it)
   local m = #members
   for i, id in ipairs(taken_ids) do
-    local raw = taken_scheds[i]
-    local g = by_sched[raw]
+    local e = entry_of[taken_scheds[i]] or read_entry(taken_scheds[i])
+    local g = by_tail[e[3]]
     if not g then
-      local s = parse_sched(raw)
+      local s = parse_sched('0' .. e[3])
       g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
-      by_sched[raw] = g
+      by_tail[e[3]] = g
     end
     members[m + i] = g.head .. id
     g.n = g.n + 1
-    if i > n_unserved then g.served = g.served + 1 end
+    if i > n_unserved then g.served = g.served + tonumber(e[2]) end
   end
-  for _, g in pairs(by_sched) do
-    local s, tokens = g.s, g.served * g.s.tokens
+  for _, g in pairs(by_tail) do
+    local s, tokens = g.s, g.served
     count_queued(counts, s.class, s.tenant, -g.n)
     touch(s.class, s.tenant, tokens)
     served[s.tenant] = (served[s.tenant] or 0) + tokens
@@ -382,59 +410,50 @@ local scheds = rcall('HMGET', K.sched, unpack(ids))
 -- claim's time: lengths and delays are converted once per distinct text (requests
 -- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
 local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
+local n_expired, n_live, n_orphans, n_estimated = 0, 0, 0, 0  -- (no # per candidate: a search)
 local n_scheds, n_priced = 0, 0  -- candidates with an entry; of them, priced by estimate
-local length_of, delay_of, head_enq = {}, {}, nil
--- (an entry holds no id: the requests of one enqueue call mostly share it, so each distinct
--- entry is matched once)
-local fields_of = {}
-local function sched_fields(raw)
-  local f = fields_of[raw]
-  if not f then
-    local mark, tokens, expire, enq_rank = string.match(raw, '^(~?)(%d+):(%d+):(%d+:[^:]+):')
-    f = {mark, tokens, expire, enq_rank, mark == '~' and string.match(raw, '^~%d+(:.*)$'), {}}
-    fields_of[raw] = f
-  end
-  return f
-end
+local length_of, head_enq = {}, nil
 local function scan(first)
   for i = first, #ids do
-    local id, mark, tokens, expire, enq_rank = ids[i], nil, nil, nil, nil
-    if scheds[i] then
-      local f = fields_of[scheds[i]] or sched_fields(scheds[i])
-      mark, tokens, expire, enq_rank = f[1], f[2], f[3], f[4]
-      n_scheds = n_scheds + 1
-      if mark == '~' then n_priced = n_priced + 1 end
-      if mark == '~' and counted[id] then  -- counted by this worker: exact from now on
-        mark, tokens = '', counted[id]
-        local exact = f[6][tokens]  -- the entry with this count, built once per count
-        if not exact then exact = tokens .. f[5]; f[6][tokens] = exact end
-        scheds[i] = exact
-      end
-    end
-    if not tokens then
-      orphans[#orphans + 1] = id  -- pending without state: cannot run, drop it
-    elseif rated and limited(parse_sched(scheds[i]).tenant) then
-      -- over its token rate: passed over
-    elseif expire ~= '0' and tonumber(expire) > 0 and tonumber(expire) <= now then
-      expired[#expired + 1] = i
+    local id, raw = ids[i], scheds[i]
+    local e = raw and (entry_of[raw] or read_entry(raw)) or NOT_AN_ENTRY
+    local t = e[4]
+    if not t then
+      n_orphans = n_orphans + 1
+      orphans[n_orphans] = id  -- pending without state: cannot run, drop it
     else
-      live[#live + 1] = i
-      local length, delay = length_of[tokens], delay_of[enq_rank]
-      if not length then length = tonumber(tokens); length_of[tokens] = length end
-      if not delay then
-        local enq, rank = string.match(enq_rank, '^(%d+):(.*)$')
-        delay = tonumber(rank) - tonumber(enq)
-        delay_of[enq_rank] = delay
+      local is_estimated, tokens = e[1], e[2]
+      n_scheds = n_scheds + 1
+      if is_estimated then
+        n_priced = n_priced + 1
+        local count = counted[id]
+        if count then  -- counted by this worker: exact from now on
+          is_estimated, tokens = false, count
+          local exact = t[4][count]  -- the entry with this count, built once per count and tail
+          if not exact then exact = count .. e[3]; t[4][count] = exact end
+          scheds[i] = exact
+        end
       end
-      lengths[#live], delays[#live] = length, delay
-      head_enq = head_enq or tonumber(string.match(enq_rank, '^%d+'))
-      if mark == '~' then estimated[#estimated + 1] = id end
+      if rated and limited(parse_sched(scheds[i]).tenant) then
+        -- over its token rate: passed over
+      elseif t[1] > 0 and t[1] <= now then
+        n_expired = n_expired + 1
+        expired[n_expired] = i
+      else
+        n_live = n_live + 1
+        live[n_live] = i
+        local length = length_of[tokens]
+        if not length then length = tonumber(tokens); length_of[tokens] = length end
+        lengths[n_live], delays[n_live] = length, t[3]
+        head_enq = head_enq or t[2]
+        if is_estimated then n_estimated = n_estimated + 1; estimated[n_estimated] = id end
+      end
     end
   end
 end
 scan(1)
-local settled = #live == window
-for j = 2, #live do
+local settled = n_live == window
+for j = 2, n_live do
   if not settled then break end
   settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
 end
@@ -447,70 +466,83 @@ if not settled and #ids == window and window < lookahead then
     scan(window + 1)
   end
 end
-if #orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
-if price_estimates and #estimated > 0 then
+if n_orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
+if price_estimates and n_estimated > 0 then
   write_counts()
   local reply = {now, -2, 0}
-  for _, id in ipairs(estimated) do reply[#reply + 1] = id end
+  for n, id in ipairs(estimated) do reply[3 + n] = id end
   local payloads = rcall('HMGET', K.requests, unpack(estimated))
-  for n = 1, #estimated do reply[#reply + 1] = payloads[n] end
+  for n = 1, n_estimated do reply[3 + n_estimated + n] = payloads[n] end
   return reply
 end
 
 local batch = {}
 local wait = 0
-if #live > 0 then
+if n_live > 0 then
   local head = lengths[1]
-  local chosen, longest, rejected = {1}, head, false
+  local chosen, n_chosen, longest, rejected = {1}, 1, head, false
   -- classes as urgent as the head's first (class delay no larger), then the rest (unless
   -- the queue's fill_from_slower is 0), each by closest length to the head, ties by
-  -- rank. One number per candidate, so the sort compares numbers in C, not Lua calls.
-  local order, stride = {}, #live + 1
-  local later = 1e11  -- above any |length difference| * stride + j (lengths <= 1e7)
+  -- rank: the candidates go into buckets by (slower, length gap), each bucket in rank
+  -- order, and only the buckets are sorted (one when all are alike, a few hundred with
+  -- varied lengths), not each of up to `lookahead` candidates.
+  local later = 1e8  -- above any length gap (lengths <= 1e7)
+  local buckets, keys, n_keys = {}, {}, 0
   local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
-  local sorted = true  -- all as long as the head and as urgent: in rank order already
-  for j = 2, #live do
+  for j = 2, n_live do
     local slower = delays[j] > delays[1]
     if fill_from_slower or not slower then
       local gap = lengths[j] - head
       if gap < 0 then gap = -gap end
-      local key = (slower and later or 0) + gap * stride + j
-      sorted = sorted and (#order == 0 or key > order[#order])
-      order[#order + 1] = key
+      local key = slower and later + gap or gap
+      local b = buckets[key]
+      if b then
+        local n = b.n + 1
+        b[n], b.n = j, n
+      else
+        n_keys = n_keys + 1
+        keys[n_keys], buckets[key] = key, {j, n = 1}
+      end
     else
       rejected = true  -- room left empty on purpose: run now, do not hold the head
     end
   end
-  if not sorted then table.sort(order) end
-  for _, key in ipairs(order) do
-    if #chosen >= max_size then break end
-    local j = (key % later) % stride
-    local widest = lengths[j] > longest and lengths[j] or longest
-    if widest * (#chosen + 1) <= max_tokens then
-      chosen[#chosen + 1] = j
-      longest = widest
-    else
-      rejected = true
+  if n_keys > 1 then table.sort(keys) end
+  for k = 1, n_keys do
+    local b = buckets[keys[k]]
+    for n = 1, b.n do
+      if n_chosen >= max_size then break end
+      local j = b[n]
+      local widest = lengths[j] > longest and lengths[j] or longest
+      if widest * (n_chosen + 1) <= max_tokens then
+        n_chosen = n_chosen + 1
+        chosen[n_chosen] = j
+        longest = widest
+      else
+        rejected = true
+      end
     end
+    if n_chosen >= max_size then break end
   end
-  local full = rejected or #chosen >= max_size
+  local full = rejected or n_chosen >= max_size
   local waited = now - head_enq
   if not full and waited < max_wait then
     wait = max_wait - waited
   else
     table.sort(chosen)
-    for _, j in ipairs(chosen) do batch[#batch + 1] = live[j] end
+    for n, j in ipairs(chosen) do batch[n] = live[j] end
   end
 end
 
-local take = {}
-for _, i in ipairs(expired) do take[#take + 1] = i end
-for _, i in ipairs(batch) do take[#take + 1] = i end
+local take, n_take = {}, 0
+for _, list in ipairs({expired, batch}) do
+  for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
+end
 if #counted_ids > 0 then
   for _, i in ipairs(take) do counted[ids[i]] = nil end  -- taken: counted again by its worker
   write_counts()
 end
-if #take == 0 then
+if n_take == 0 then
   fair_settle({}, {}, 0, stale, {})
   if wait == 0 and refill_ms then wait = refill_ms end  -- what is left is over its rate
   return {now, wait, 0}
@@ -519,7 +551,6 @@ end
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
 local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
-local n_expired = #expired
 for n, i in ipairs(take) do
   local id = ids[i]
   out_ids[n], out_scheds[n] = id, scheds[i]
@@ -539,18 +570,24 @@ add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
                                     table.concat(out_ids, '\n')}, '\n'), 'PX', lease_ms)
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
--- its next claim will read (a batch's worth from the new head). A candidate taken by
--- another worker in between costs nothing but its count's bytes; one still estimated
--- when the next claim comes gets the pricing round as before. What this claim's
--- candidates were says what the next ones likely are, so their entries are read only
--- when that is in doubt: none estimated (producers that count exactly), nothing is
--- handed ahead; all estimated (producers that estimate), the next batch's worth as it
--- stands, less the ones this worker just counted (written exact above: the candidates a
--- full batch left); an exact one among the rest is counted again and its count ignored;
+-- its next claim will read and this one did not. A claim that read only a batch's worth
+-- (alike lengths) is followed by one that reads the next batch's worth from the new head;
+-- one that read on (varied lengths: up to the lookahead) by one that reads as far, so
+-- past this one's end by as many as it took (and dropped), and those are the ones to
+-- count: the others it read were exact already, or counted and written exact above. (The
+-- fair reader reads on from where this claim stopped.) A candidate taken by another
+-- worker in between costs nothing but its count's bytes; one still estimated when the
+-- next claim comes gets the pricing round as before. What this claim's candidates were
+-- says what the next ones likely are, so their entries are read only when that is in
+-- doubt: none estimated (producers that count exactly), nothing is handed ahead; all
+-- estimated (producers that estimate), the next ones as they stand, less the ones this
+-- worker just counted; an exact one among them is counted again and its count ignored;
 -- a mix, the estimated ones among them, by their entries.
 local ahead, m = {}, 0
 if price_estimates and n_priced > 0 then
-  local next_ids = pending_ids(0, window)
+  local read_on = not fair and #ids > window
+  local next_ids = read_on and global_ids(#ids - n_take - n_orphans, n_take + n_orphans)
+                   or pending_ids(0, window)
   local all_priced = n_priced == n_scheds
   if all_priced and next(counted) == nil then  -- (what was counted, this batch took)
     ahead = next_ids
