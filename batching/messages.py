@@ -142,8 +142,13 @@ class Claimed:
         stored JSON, its schedule entry, its attempt count), one marked ``invalid`` with
         the reason: never an exception, so the claim's other requests and every lease it
         took reach the worker (the per-request boundary of a claim)."""
+        if not sched:  # the claim hands over no entry it cannot read (lua/claim.lua)
+            return cls(id=id, input=None, meta=None, tokens=1, enqueued_ms=0, expire_ms=0,
+                       priority="normal", attempt=_attempt(failures), lease_token=token,
+                       invalid="its schedule entry in Redis (tokens, deadline, times, class, "
+                               "client) is missing or cannot be read")
         try:
-            tokens, expire, enqueued, rank, priority, client, *tenant = (sched or "").split(":", 6)
+            tokens, expire, enqueued, rank, priority, client, *tenant = sched.split(":", 6)
             body, invalid = stored_body(payload)
             meta = body.get("meta")
             if invalid is None and meta is not None and not isinstance(meta, dict):

@@ -324,6 +324,45 @@ def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
         run()
 
 
+planted_entries = st.one_of(
+    st.text(max_size=48),
+    st.from_regex(r"~?[0-9]{0,3}:[0-9x]{0,3}:[0-9]{0,4}:[0-9x-]{0,4}:[a-z]{0,6}(:[a-z]{0,3}){0,3}",
+                  fullmatch=True),
+    st.sampled_from(["", ":", "~", "12", "1:0:0:x:normal:c", "1:0:5:x:normal:c:t",
+                     "~7:0:0:0::", "9" * 400 + ":0:0:0:normal:c"]))
+
+
+def test_any_planted_schedule_entry_changes_no_other_requests_outcome(redis_url: str,
+                                                                      queue_name: str) -> None:
+    """A request's schedule entry (its tokens, deadline, times, class, client, tenant, as
+    Redis holds it) damaged: the claim neither stops nor drops it; it ends with its own
+    result and its batch-mates run."""
+    with Client(redis_url, queue_name) as client:
+        client.queue.update_settings(max_attempts=1)
+        store = client.queue.client
+        sched_key = client.queue.first.keys.sched
+
+        @given(st.lists(planted_entries, min_size=1, max_size=4))
+        @settings(max_examples=examples(40), deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+        def run(entries: list[str]) -> None:
+            handles = client.enqueue_many([{"input": f"good {i}"} for i in range(6 + len(entries))])
+            victims = handles[1::2][:len(entries)]
+            for handle, entry in zip(victims, entries):
+                store.hset(sched_key, handle.id, entry.encode("utf-8", "surrogatepass"))
+            drain(redis_url, queue_name, max_batch_size=8)
+            for i, handle in enumerate(handles):
+                if handle in victims:  # stored under its id (its client, in the entry, is lost:
+                    result = client.get(handle.id)  # a waiter finds it by polling, not pushed)
+                    assert result is not None and result.status in ("ok", "error", "dead", "expired")
+                else:
+                    result = handle.result(timeout=10)
+                    assert result.ok and result.output == {"echo": f"good {i}"}, result
+                assert result.id == handle.id
+            assert client.queue.stats()["inflight"] == 0 and client.queue.stats()["pending"] == 0
+        run()
+
+
 # -- results read back ------------------------------------------------------------------------
 def test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter(redis_url: str,
                                                                        queue_name: str) -> None:

@@ -177,7 +177,8 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
             client.hset(k.requests, c.id, json.dumps({"input": c.id}))
     reply = queue.claim("w#1", max_size, max_tokens, max_wait, lookahead=lookahead)
     # the rule the claim implements around select_batch: due retries rejoin at their rank,
-    # the lookahead is the first `lookahead` pending ids (orphans included, then dropped)
+    # the lookahead is the first `lookahead` pending ids (orphans, with no schedule entry,
+    # included: leased with the batch, before it, for the worker to fail each alone)
     window = [c for c, kind in zip(shifted, kinds) if kind != "not due"][:lookahead]
     orphans = {c.id for c, kind in zip(shifted, kinds) if kind == "orphan"}
     # ... read lazily: no further than a batch's worth when those settle the batch
@@ -185,16 +186,18 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
         window = window[:max_size]
     expected = select_batch([c for c in window if c.id not in orphans], reply.now_ms, max_size,
                             max_tokens, max_wait, fill_from_slower)
+    unreadable = [c.id for c in window if c.id in orphans]
     assert [r.id for r in reply.expired] == expected.expired
-    assert [r.id for r in reply.batch] == expected.batch
+    assert [r.id for r in reply.batch] == unreadable + expected.batch
+    assert all(r.invalid for r in reply.batch[:len(unreadable)])
     if not window:  # nothing pending: -1, or the time until the first retry is due
         assert reply.nothing_pending if "not due" not in kinds else 0 < reply.wait_ms <= 60_000
     elif not expected.batch and not expected.expired:  # orphans only (0), or held back
         assert reply.wait_ms == expected.wait_ms
-    taken = set(expected.batch) | set(expected.expired)
+    taken = set(expected.batch) | set(expected.expired) | set(unreadable)
     assert set(client.zrange(k.leased, 0, -1)) == taken
     still_pending = set(client.zrange(k.pending, 0, -1))
-    assert not still_pending & (taken | {c.id for c in window if c.id in orphans})
+    assert not still_pending & taken
     assert {c.id for c, kind in zip(shifted, kinds) if kind == "queued" or kind == "due"} - taken \
         <= still_pending  # nothing queued lost: untaken ones (due retries too) wait in pending
     assert set(client.zrange(k.delayed, 0, -1)) == \
@@ -204,7 +207,8 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
 
 def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServer) -> None:
     """Equal lengths at the head: the claim reads a batch's worth, not the lookahead (an
-    orphan further back, which a read would drop, stays); a longer head reads on."""
+    orphan further back, which a read would lease to be failed, stays); a longer head
+    reads on."""
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(client, "policy-lazy")
     k: Keys = queue.keys
@@ -217,8 +221,9 @@ def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServ
             client.hset(k.requests, f"r{n}", json.dumps({"input": n}))
         client.zadd(k.pending, {"orphan": now + 10})
         reply = queue.claim(f"w#{tokens[0]}", 2, 10_000, 0, lookahead=10)
-        assert [r.id for r in reply.batch] == ["r0", "r1"]
-        assert client.zscore(k.pending, "orphan") == (now + 10 if tokens[0] == 5 else None)
+        read_on = tokens[0] != 5
+        assert [r.id for r in reply.batch] == ["orphan"] * read_on + ["r0", "r1"]
+        assert client.zscore(k.pending, "orphan") == (None if read_on else now + 10)
     client.close()
 
 

@@ -347,6 +347,32 @@ def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_
     assert third.to_price == [("r4", "e")] and third.batch == []
 
 
+def test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first(
+        queue: RequestQueue) -> None:
+    """Varied lengths: a claim reads past its batch's worth, to the lookahead, and the next
+    claim reads as far, so the requests it sees first are those past this one's end. Those
+    are handed ahead to count, and a counting worker's claims over an estimated backlog
+    need one pricing round, not one before nearly every claim; every request is leased
+    once, on its exact count."""
+    texts = [" ".join(["word"] * (1 + (i * 37) % 23)) for i in range(120)]
+    queue.enqueue([Request.validated(id=f"r{i:03d}", input=t) for i, t in enumerate(texts)])
+    exact = {f"r{i:03d}": 2 + len(t.split()) for i, t in enumerate(texts)}  # not the estimates
+    rounds, leased, counts = 0, [], []
+    for claim in range(1, 200):
+        reply = queue.claim(f"w#{claim}", 4, 10_000, 0, 16, price_estimates=True, counts=counts)
+        if reply.to_price:
+            rounds += 1
+            reply = queue.claim(f"w#{claim}", 4, 10_000, 0, 16, price_estimates=True,
+                                counts=[(i, exact[i]) for i, _ in reply.to_price])
+        if not reply.batch:
+            break
+        assert all(r.tokens == exact[r.id] for r in reply.batch)
+        leased += [r.id for r in reply.batch]
+        counts = [(i, exact[i]) for i, _ in reply.price_ahead]
+    assert sorted(leased) == sorted(exact)
+    assert rounds == 1
+
+
 def test_a_worker_that_cannot_count_claims_on_the_estimates(queue: RequestQueue) -> None:
     queue.enqueue(requests("x" * 400))
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch

@@ -74,14 +74,21 @@ end
 -- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"; tokens is "~N"
 -- while N is the producer's estimate (no tokenizer there), until a worker writes the
 -- exact count. Entries written before tenants end at client: their tenant is 'default'.
+-- An entry that cannot be read (damaged in Redis) parses as `unreadable`: rank 0 (a claim
+-- meets it first and hands it to a worker to fail alone), no class (counted nowhere).
 local DEFAULT_TENANT = 'default'
 local function parse_sched(s)
   local mark, tokens, expire, enq, rank, class, client, tenant =
     string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):([^:]*):?(.*)$')
   if tenant == nil or tenant == '' then tenant = DEFAULT_TENANT end
-  return {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
-          enq = tonumber(enq), rank = tonumber(rank), class = class, client = client,
-          tenant = tenant}
+  local e = {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
+             enq = tonumber(enq), rank = tonumber(rank), class = class, client = client,
+             tenant = tenant}
+  if not (e.tokens and e.expire and e.enq and e.rank) or class == '' then
+    return {tokens = 0, estimated = false, expire = 0, enq = 0, rank = 0, class = '',
+            client = client or '', tenant = tenant, unreadable = true}
+  end
+  return e
 end
 
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
@@ -121,6 +128,7 @@ local TENANT_DEPTH = 'tenant:'
 
 -- Count n more queued requests of class and tenant in `counts`, for add_depth.
 local function count_queued(counts, class, tenant, n)
+  if class == '' then return end  -- an unreadable entry's: counted nowhere
   counts[class] = (counts[class] or 0) + n
   local field = TENANT_DEPTH .. tenant
   counts[field] = (counts[field] or 0) + n
@@ -232,6 +240,7 @@ end
 -- sub-queue, counting it in `counts` for add_depth. s: its parsed sched entry.
 local function requeue(K, id, s, counts)
   rcall('ZADD', K.pending, s.rank, id)
+  if s.unreadable then return end  -- in no sub-queue, counted nowhere
   fair_push(K, id, s)
   count_queued(counts, s.class, s.tenant, 1)
 end

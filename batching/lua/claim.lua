@@ -149,12 +149,13 @@ local function read_entry(raw)
   local is_estimated = string.byte(raw, 1) == 126  -- '~'
   local tokens = colon and string.sub(raw, is_estimated and 2 or 1, colon - 1)
   local e = NOT_AN_ENTRY
-  if tokens and string.find(tokens, '^%d+$') then
+  if tokens and #tokens <= 7 and string.find(tokens, '^%d+$') then  -- (lengths <= 1e7)
     local tail = string.sub(raw, colon)
     local t = tail_of[tail]
-    if t == nil then
-      local expire, enq, rank = string.match(tail, '^:(%d+):(%d+):(%d+):[^:]+:')
-      t = expire and {tonumber(expire), tonumber(enq), tonumber(rank) - tonumber(enq), {}} or false
+    if t == nil then  -- the whole tail checked, once: what parse_sched reads of it too
+      local expire, enq, rank = string.match(tail, '^:(%d+):(%d+):(%d+):[^:]*:[^:]*')
+      t = expire and #expire <= 15 and #enq <= 15 and #rank <= 15
+          and {tonumber(expire), tonumber(enq), tonumber(rank) - tonumber(enq), {}} or false
       tail_of[tail] = t
     end
     if t then e = {is_estimated, tokens, tail, t} end
@@ -214,13 +215,10 @@ local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
 if #due > 0 then
   local scheds = rcall('HMGET', K.sched, unpack(due))
   local zargs, back = {}, {}
-  for i, id in ipairs(due) do
-    if scheds[i] then
-      local s = parse_sched(scheds[i])
-      zargs[#zargs + 1] = s.rank
-      zargs[#zargs + 1] = id
-      back[#back + 1] = {id, s}
-    end
+  for i, id in ipairs(due) do  -- (one without a readable entry goes first, to be failed)
+    local s = parse_sched(scheds[i] or '')
+    zargs[2 * i - 1], zargs[2 * i] = s.rank, id
+    if not s.unreadable then back[#back + 1] = {id, s} end
   end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('ZREM', K.delayed, due)
@@ -409,8 +407,8 @@ local scheds = rcall('HMGET', K.sched, unpack(ids))
 -- enqueue time); the taken ones' class is read once taken. This loop is most of a
 -- claim's time: lengths and delays are converted once per distinct text (requests
 -- enqueued by one call share "enqueued:rank"), and a deadline only when there is one.
-local expired, live, lengths, delays, orphans, estimated = {}, {}, {}, {}, {}, {}
-local n_expired, n_live, n_orphans, n_estimated = 0, 0, 0, 0  -- (no # per candidate: a search)
+local expired, live, lengths, delays, unreadable, estimated = {}, {}, {}, {}, {}, {}
+local n_expired, n_live, n_unreadable, n_estimated = 0, 0, 0, 0  -- (no # per candidate: a search)
 local n_scheds, n_priced = 0, 0  -- candidates with an entry; of them, priced by estimate
 local length_of, head_enq = {}, nil
 local function scan(first)
@@ -419,8 +417,10 @@ local function scan(first)
     local e = raw and (entry_of[raw] or read_entry(raw)) or NOT_AN_ENTRY
     local t = e[4]
     if not t then
-      n_orphans = n_orphans + 1
-      orphans[n_orphans] = id  -- pending without state: cannot run, drop it
+      -- no entry, or one that cannot be read: leased with the batch, its entry not handed
+      -- over, so its worker fails it alone (a result, never a silent drop)
+      n_unreadable = n_unreadable + 1
+      unreadable[n_unreadable] = i
     else
       local is_estimated, tokens = e[1], e[2]
       n_scheds = n_scheds + 1
@@ -466,7 +466,6 @@ if not settled and #ids == window and window < lookahead then
     scan(window + 1)
   end
 end
-if n_orphans > 0 then call_chunked('ZREM', K.pending, orphans) end
 if price_estimates and n_estimated > 0 then
   write_counts()
   local reply = {now, -2, 0}
@@ -535,7 +534,7 @@ if n_live > 0 then
 end
 
 local take, n_take = {}, 0
-for _, list in ipairs({expired, batch}) do
+for _, list in ipairs({expired, unreadable, batch}) do
   for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
 end
 if #counted_ids > 0 then
@@ -557,7 +556,20 @@ for n, i in ipairs(take) do
   zargs[2 * n - 1], zargs[2 * n] = expiry, id
   oargs[2 * n - 1], oargs[2 * n] = id, token
 end
-fair_settle(out_ids, out_scheds, n_expired, stale, counts)
+if n_unreadable == 0 then
+  fair_settle(out_ids, out_scheds, n_expired, stale, counts)
+else  -- the unreadable ones (after the expired) go without their entries, and unsettled
+  local settle_ids, settle_scheds, n_settle = {}, {}, 0
+  for n, id in ipairs(out_ids) do
+    if n > n_expired and n <= n_expired + n_unreadable then
+      out_scheds[n] = false
+    else
+      n_settle = n_settle + 1
+      settle_ids[n_settle], settle_scheds[n_settle] = id, out_scheds[n]
+    end
+  end
+  fair_settle(settle_ids, settle_scheds, n_expired, stale, counts)
+end
 call_chunked('ZREM', K.pending, out_ids)
 -- none leased: the lease keys start again, in their wide encodings (ZRANGE: the worker's
 -- ACL has no ZCARD)
@@ -586,7 +598,7 @@ rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n
 local ahead, m = {}, 0
 if price_estimates and n_priced > 0 then
   local read_on = not fair and #ids > window
-  local next_ids = read_on and global_ids(#ids - n_take - n_orphans, n_take + n_orphans)
+  local next_ids = read_on and global_ids(#ids - n_take, n_take)
                    or pending_ids(0, window)
   local all_priced = n_priced == n_scheds
   if all_priced and next(counted) == nil then  -- (what was counted, this batch took)
