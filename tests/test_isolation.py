@@ -324,6 +324,20 @@ def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
         run()
 
 
+def test_a_request_whose_schedule_entry_cannot_be_read_fails_alone(redis_url: str,
+                                                                   queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        handles = client.enqueue_many([{"input": f"text {i}"} for i in range(4)])
+        victim = handles[1]
+        client.queue.client.hset(client.queue.first.keys.sched, victim.id, "1:0:0:x:normal:c")
+        drain(redis_url, queue_name)
+        bad = client.get(victim.id)
+        assert bad is not None and bad.status == "error", bad
+        assert "schedule entry" in bad.error["message"] and bad.attempts == 1
+        assert all(h.result(timeout=10).ok for h in handles if h is not victim)
+        assert client.queue.stats()["pending"] == 0 and client.queue.stats()["inflight"] == 0
+
+
 planted_entries = st.one_of(
     st.text(max_size=48),
     st.from_regex(r"~?[0-9]{0,3}:[0-9x]{0,3}:[0-9]{0,4}:[0-9x-]{0,4}:[a-z]{0,6}(:[a-z]{0,3}){0,3}",
