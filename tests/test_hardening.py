@@ -171,6 +171,29 @@ def test_a_claim_asked_again_keeps_its_expired_requests_apart_and_drops_what_it_
     assert ([r.id for r in once_more.expired], [r.id for r in once_more.batch]) == (["late"], ["r0", "r2"])
 
 
+def test_a_claim_asked_again_hands_over_an_unreadable_request_without_its_entry_again(
+        queue: RequestQueue) -> None:
+    queue.enqueue([Request(id=f"r{i}", input=i) for i in range(2)], "c")
+    queue.client.hset(queue.keys.sched, "r0", "999999999:0:0:0:normal:c")  # 9 digits: past 1e7
+    for _ in range(2):  # the claim, then the same token again (a retried call)
+        reply = queue.claim("w#1", 10, 10_000, 0, 10)
+        assert [(r.id, bool(r.invalid)) for r in reply.batch] == [("r0", True), ("r1", False)]
+
+
+def test_the_largest_count_a_request_may_have_is_claimed_as_it_is(queue: RequestQueue) -> None:
+    """10,000,000 tokens (Request's most, 8 digits) given by the producer or counted by a
+    worker is a count, not an unreadable entry."""
+    queue.enqueue([Request.validated(id="given", input="x", tokens=10_000_000),
+                   Request.validated(id="counted", input="y")], "c")
+    priced = queue.claim("w#1", 1, 10_000, 0, 10, price_estimates=True)
+    assert [i for i, _ in priced.to_price] == ["counted"]
+    first = queue.claim("w#1", 1, 10_000, 0, 10, price_estimates=True,
+                        counts=[("counted", 10_000_000)])
+    second = queue.claim("w#2", 1, 10_000, 0, 10, price_estimates=True)
+    assert [(r.id, r.tokens, r.invalid) for r in first.batch + second.batch] == \
+        [("counted", 10_000_000, None), ("given", 10_000_000, None)]  # (one rank: by id)
+
+
 def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
                                              flaky: tuple[FaultyProxy, RequestQueue]) -> None:
     proxy, through_proxy = flaky

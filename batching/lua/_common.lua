@@ -74,21 +74,24 @@ end
 -- sched entry: "tokens:expire_ms:enqueued_ms:rank:class:client:tenant"; tokens is "~N"
 -- while N is the producer's estimate (no tokenizer there), until a worker writes the
 -- exact count. Entries written before tenants end at client: their tenant is 'default'.
--- An entry that cannot be read (damaged in Redis) parses as `unreadable`: rank 0 (a claim
--- meets it first and hands it to a worker to fail alone), no class (counted nowhere).
+-- The one rule of a readable entry: a count of at most 8 digits (MAX_TOKENS, 1e7, in
+-- batching/request.py), times and rank of digits only, at most 15 of them, and a class.
+-- An entry that breaks it (damaged in Redis) parses as `unreadable`: no class (counted
+-- nowhere, in no sub-queue), rank 0 (requeue puts it back at the current time instead),
+-- and a claim hands it to a worker to fail alone.
 local DEFAULT_TENANT = 'default'
 local function parse_sched(s)
   local mark, tokens, expire, enq, rank, class, client, tenant =
     string.match(s, '^(~?)(%d+):(%d+):(%d+):([^:]+):([^:]*):([^:]*):?(.*)$')
   if tenant == nil or tenant == '' then tenant = DEFAULT_TENANT end
-  local e = {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
-             enq = tonumber(enq), rank = tonumber(rank), class = class, client = client,
-             tenant = tenant}
-  if not (e.tokens and e.expire and e.enq and e.rank) or class == '' then
+  if not tokens or #tokens > 8 or #expire > 15 or #enq > 15 or #rank > 15
+     or not string.find(rank, '^%d+$') or class == '' then
     return {tokens = 0, estimated = false, expire = 0, enq = 0, rank = 0, class = '',
             client = client or '', tenant = tenant, unreadable = true}
   end
-  return e
+  return {tokens = tonumber(tokens), estimated = mark == '~', expire = tonumber(expire),
+          enq = tonumber(enq), rank = tonumber(rank), class = class, client = client,
+          tenant = tenant}
 end
 
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
@@ -239,8 +242,11 @@ end
 -- Put a request back in pending at its original rank (it keeps its place) and in its
 -- sub-queue, counting it in `counts` for add_depth. s: its parsed sched entry.
 local function requeue(K, id, s, counts)
+  if s.unreadable then  -- at the current time (no rank to keep), in no sub-queue, uncounted
+    rcall('ZADD', K.pending, now_ms(), id)
+    return
+  end
   rcall('ZADD', K.pending, s.rank, id)
-  if s.unreadable then return end  -- in no sub-queue, counted nowhere
   fair_push(K, id, s)
   count_queued(counts, s.class, s.tenant, 1)
 end

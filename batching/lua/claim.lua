@@ -62,7 +62,7 @@ for i = 9, #ARGV - 1, 2 do
   local id, tokens = ARGV[i], ARGV[i + 1]
   local ok = count_ok[tokens]
   if ok == nil then
-    ok = string.match(tokens, '^[1-9]%d*$') ~= nil
+    ok = #tokens <= 8 and string.match(tokens, '^[1-9]%d*$') ~= nil  -- (parse_sched's rule)
     count_ok[tokens] = ok
   end
   if ok and not counted[id] then  -- first count of an id
@@ -149,13 +149,12 @@ local function read_entry(raw)
   local is_estimated = string.byte(raw, 1) == 126  -- '~'
   local tokens = colon and string.sub(raw, is_estimated and 2 or 1, colon - 1)
   local e = NOT_AN_ENTRY
-  if tokens and #tokens <= 7 and string.find(tokens, '^%d+$') then  -- (lengths <= 1e7)
+  if tokens and #tokens <= 8 and string.find(tokens, '^%d+$') then  -- (parse_sched's rule)
     local tail = string.sub(raw, colon)
     local t = tail_of[tail]
-    if t == nil then  -- the whole tail checked, once: what parse_sched reads of it too
-      local expire, enq, rank = string.match(tail, '^:(%d+):(%d+):(%d+):[^:]*:[^:]*')
-      t = expire and #expire <= 15 and #enq <= 15 and #rank <= 15
-          and {tonumber(expire), tonumber(enq), tonumber(rank) - tonumber(enq), {}} or false
+    if t == nil then  -- the tail read once, by the one rule (parse_sched)
+      local s = parse_sched('0' .. tail)
+      t = not s.unreadable and {s.expire, s.enq, s.rank - s.enq, {}, s} or false
       tail_of[tail] = t
     end
     if t then e = {is_estimated, tokens, tail, t} end
@@ -184,27 +183,32 @@ local function write_counts()
 end
 
 -- A remembered claim's reply: the ids of its batch still leased to this token (the
--- first n_expired of them expired).
-local function leased_reply(wait, ids, n_expired, head_rank)
-  local out_ids, n_out_expired = {}, 0
+-- first n_expired of them expired, the next n_unreadable handed over without their entry).
+local function leased_reply(wait, ids, n_expired, n_unreadable, head_rank)
+  local out_ids, n_out_expired, unreadable_at = {}, 0, {}
   for i, id in ipairs(ids) do
     if rcall('HGET', K.owner, id) == token then
       out_ids[#out_ids + 1] = id
-      if i <= n_expired then n_out_expired = n_out_expired + 1 end
+      if i <= n_expired then n_out_expired = n_out_expired + 1
+      elseif i <= n_expired + n_unreadable then unreadable_at[#out_ids] = true end
     end
   end
-  return reply_for(wait, out_ids, n_out_expired, nil, head_rank)
+  local scheds = #out_ids > 0 and rcall('HMGET', K.sched, unpack(out_ids)) or {}
+  for n in pairs(unreadable_at) do scheds[n] = false end
+  return reply_for(wait, out_ids, n_out_expired, scheds, head_rank)
 end
 
--- The remembered claim: "wait\nhead_rank\nn_expired\nid\nid..." (ids hold no control
--- character: batching/request.py check_name), the expired ids first.
+-- The remembered claim: "wait\nhead_rank\nn_expired\nn_unreadable\nid\nid..." (ids hold no
+-- control character: batching/request.py check_name), the expired ids first, then the
+-- unreadable ones.
 local remembered = rcall('GET', K.claim)
 if remembered then
   local fields = {}
   for v in string.gmatch(remembered, '[^\n]+') do fields[#fields + 1] = v end
   local ids = {}
-  for i = 4, #fields do ids[i - 3] = fields[i] end
-  return leased_reply(tonumber(fields[1]), ids, tonumber(fields[3]), tonumber(fields[2]))
+  for i = 5, #fields do ids[i - 4] = fields[i] end
+  return leased_reply(tonumber(fields[1]), ids, tonumber(fields[3]), tonumber(fields[4]),
+                      tonumber(fields[2]))
 end
 
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
@@ -217,7 +221,7 @@ if #due > 0 then
   local zargs, back = {}, {}
   for i, id in ipairs(due) do  -- (one without a readable entry goes first, to be failed)
     local s = parse_sched(scheds[i] or '')
-    zargs[2 * i - 1], zargs[2 * i] = s.rank, id
+    zargs[2 * i - 1], zargs[2 * i] = s.unreadable and now or s.rank, id
     if not s.unreadable then back[#back + 1] = {id, s} end
   end
   call_chunked('ZADD', K.pending, zargs)
@@ -298,10 +302,10 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
   local by_tail = {}  -- taken requests by their entry's tail (the requests of one call share it)
   local m = #members
   for i, id in ipairs(taken_ids) do
-    local e = entry_of[taken_scheds[i]] or read_entry(taken_scheds[i])
+    local e = entry_of[taken_scheds[i]] or read_entry(taken_scheds[i])  -- (readable: taken)
     local g = by_tail[e[3]]
     if not g then
-      local s = parse_sched('0' .. e[3])
+      local s = e[4][5]
       g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
       by_tail[e[3]] = g
     end
@@ -580,7 +584,8 @@ call_chunked('HSET', K.owner, oargs)
 if wide then widen(false, {K.owner}, {K.leased}) end
 add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
-                                    table.concat(out_ids, '\n')}, '\n'), 'PX', lease_ms)
+                                    fmt_int(n_unreadable), table.concat(out_ids, '\n')}, '\n'),
+      'PX', lease_ms)
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
 -- its next claim will read and this one did not. A claim that read only a batch's worth
 -- (alike lengths) is followed by one that reads the next batch's worth from the new head;

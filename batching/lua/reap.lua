@@ -57,14 +57,14 @@ end
 
 for _, id in ipairs(ids) do
   local raw = rcall('HGET', K.sched, id)
-  if not raw or rcall('HEXISTS', K.requests, id) == 0 then
+  if rcall('HEXISTS', K.requests, id) == 0 then
     rcall('ZREM', K.leased, id)  -- nothing left to run
     rcall('HDEL', K.owner, id)
     rcall('HDEL', K.sched, id)
     rcall('HDEL', K.attempts, id)
     rcall('HDEL', K.history, id)
-  else
-    local s = parse_sched(raw)
+  else  -- (an entry missing or unreadable: back to be handed to a worker that fails it)
+    local s = parse_sched(raw or '')
     if not lapse(id, s) then
       undeclared[#undeclared + 1] = id
       undeclared[#undeclared + 1] = s.client
