@@ -219,7 +219,7 @@ local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
 if #due > 0 then
   local scheds = rcall('HMGET', K.sched, unpack(due))
   local zargs, back = {}, {}
-  for i, id in ipairs(due) do  -- (one without a readable entry goes first, to be failed)
+  for i, id in ipairs(due) do  -- (one without a readable entry: at the current time, to be failed)
     local s = parse_sched(scheds[i] or '')
     zargs[2 * i - 1], zargs[2 * i] = s.unreadable and now or s.rank, id
     if not s.unreadable then back[#back + 1] = {id, s} end
