@@ -295,22 +295,30 @@ planted = st.one_of(
                      b'{"input": "bad"}', b'{"meta": {}}', b"\xff\xfe{}"]))
 
 
+def plant_and_drain(client: Client, redis_url: str, queue_name: str, key: str,
+                    planted_values: list[bytes]) -> tuple[list[Any], list[Any]]:
+    """6 + n good requests; every other one from the second gets one of the n values planted
+    as its field of the hash ``key``; a worker drains the queue (batches of 8). Returns
+    (handles, the planted ones' handles)."""
+    handles = client.enqueue_many([{"input": f"good {i}"} for i in range(6 + len(planted_values))])
+    victims = handles[1::2][:len(planted_values)]
+    for handle, value in zip(victims, planted_values):
+        client.queue.client.hset(key, handle.id, value)
+    drain(redis_url, queue_name, max_batch_size=8)
+    return handles, victims
+
+
 def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
                                                                 queue_name: str) -> None:
     with Client(redis_url, queue_name) as client:
         client.queue.update_settings(max_attempts=1)
-        store = client.queue.client
         requests_key = client.queue.first.keys.requests
 
         @given(st.lists(planted, min_size=1, max_size=4))
         @settings(max_examples=examples(40), deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
         def run(payloads: list[bytes]) -> None:
-            handles = client.enqueue_many([{"input": f"good {i}"} for i in range(6 + len(payloads))])
-            victims = handles[1::2][:len(payloads)]
-            for handle, payload in zip(victims, payloads):
-                store.hset(requests_key, handle.id, payload)
-            drain(redis_url, queue_name, max_batch_size=8)
+            handles, victims = plant_and_drain(client, redis_url, queue_name, requests_key, payloads)
             for i, handle in enumerate(handles):
                 result = handle.result(timeout=10)
                 assert result.id == handle.id
@@ -353,18 +361,14 @@ def test_any_planted_schedule_entry_changes_no_other_requests_outcome(redis_url:
     result and its batch-mates run."""
     with Client(redis_url, queue_name) as client:
         client.queue.update_settings(max_attempts=1)
-        store = client.queue.client
         sched_key = client.queue.first.keys.sched
 
         @given(st.lists(planted_entries, min_size=1, max_size=4))
         @settings(max_examples=examples(40), deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
         def run(entries: list[str]) -> None:
-            handles = client.enqueue_many([{"input": f"good {i}"} for i in range(6 + len(entries))])
-            victims = handles[1::2][:len(entries)]
-            for handle, entry in zip(victims, entries):
-                store.hset(sched_key, handle.id, entry.encode("utf-8", "surrogatepass"))
-            drain(redis_url, queue_name, max_batch_size=8)
+            handles, victims = plant_and_drain(client, redis_url, queue_name, sched_key,
+                                               [e.encode("utf-8", "surrogatepass") for e in entries])
             for i, handle in enumerate(handles):
                 if handle in victims:  # stored under its id (its client, in the entry, is lost:
                     result = client.get(handle.id)  # a waiter finds it by polling, not pushed)
