@@ -127,8 +127,10 @@ def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[s
 
 
 def parse_clients(scheds: Sequence[str | None]) -> list[str]:
-    """The client field of sched entries ('' where the request is gone)."""
-    return [s.split(":", 6)[5] if s else "" for s in scheds]
+    """The client field of sched entries ('' where the request is gone, or its entry was
+    damaged past reading: its waiter then finds the result by polling)."""
+    fields = [s.split(":", 6) if s else [] for s in scheds]
+    return [f[5] if len(f) > 5 else "" for f in fields]
 
 
 def sched_tenant(sched: str) -> str:

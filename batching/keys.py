@@ -135,6 +135,13 @@ class Keys:
         return self._key("rates")
 
     @property
+    def plan(self) -> str:
+        """STRING the next batches one claim chose from the lookahead it read, for the next
+        claims to take in turn ("shape\\nid\\tid...\\n...": batching/lua/claim.lua), kept for
+        the lease time; empty when none."""
+        return self._key("plan")
+
+    @property
     def attempts(self) -> str:
         """HASH id -> runs that failed or were lost (absent means none)."""
         return self._key("attempts")

@@ -41,6 +41,7 @@ class Selection:
     batch: list[str] = field(default_factory=list)    # ids to run, most urgent first
     expired: list[str] = field(default_factory=list)  # ids past their deadline: never run
     wait_ms: int = 0  # > 0: the batch is not full and its head may wait this much longer
+    full: bool = False  # it reached the size, a candidate did not fit, or slower ones were left
 
 
 def padded_tokens(token_counts: list[int]) -> int:
@@ -104,7 +105,37 @@ def select_batch(candidates: list[Candidate], now_ms: int, max_batch_size: int,
     waited = now_ms - head.enqueued_ms
     if not full and waited < max_wait_ms:
         return Selection(expired=expired, wait_ms=max_wait_ms - waited)
-    return Selection(batch=[live[i].id for i in sorted(chosen)], expired=expired)
+    return Selection(batch=[live[i].id for i in sorted(chosen)], expired=expired, full=full)
+
+
+PLAN_BATCHES = 4  # batches one read of the lookahead chooses at most, its own included
+
+
+def planned_after(read: list[Candidate | None], first: Selection, now_ms: int,
+                  max_batch_size: int, max_batch_tokens: int, lookahead: int,
+                  fill_from_slower: bool = True) -> list[list[str]]:
+    """The batches a claim plans after ``first`` (what it leased from ``read``, the
+    candidates it read; an orphan is None), for the next claims to take in turn
+    (``lua/claim.lua`` "planned"): from the live candidates it did not take, each headed
+    by the most urgent of them, while they number at least half the ``lookahead`` and
+    the batch chosen is full, ``PLAN_BATCHES`` in all. A claim plans only when it read
+    past a batch's worth (varied lengths: it read up to the lookahead, which each claim
+    would otherwise read again for its one batch) and leased a batch. Each planned batch
+    is the rule's choice from a lookahead that lacks the requests queued since: padding
+    stays within the rule's own noise (``bench/plan_quality.py``)."""
+    if len(read) <= max_batch_size or not first.batch:
+        return []
+    taken = set(first.batch)
+    rest = [c for c in read if c is not None and not 0 < c.expire_ms <= now_ms
+            and c.id not in taken]
+    plans: list[list[str]] = []
+    while len(plans) < PLAN_BATCHES - 1 and 2 * len(rest) >= lookahead:
+        chosen = select_batch(rest, now_ms, max_batch_size, max_batch_tokens, 0, fill_from_slower)
+        if not chosen.full:
+            break
+        plans.append(chosen.batch)
+        rest = [c for c in rest if c.id not in set(chosen.batch)]
+    return plans
 
 
 @dataclass(frozen=True)

@@ -381,6 +381,30 @@ def test_any_planted_schedule_entry_changes_no_other_requests_outcome(redis_url:
         run()
 
 
+def test_a_cancel_reaches_every_request_whatever_their_schedule_entries_hold(
+        redis_url: str, queue_name: str) -> None:
+    """Cancelling queued requests, some of whose schedule entries were damaged: the call
+    answers for each (no traceback: the client field of an entry it cannot read is taken
+    as none) and the undamaged ones end cancelled, their waiters told."""
+    with Client(redis_url, queue_name) as client:
+        sched_key = client.queue.first.keys.sched
+
+        @given(st.lists(planted_entries, min_size=1, max_size=4))
+        @settings(max_examples=examples(40), deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+        def run(entries: list[str]) -> None:
+            handles = client.enqueue_many([{"input": f"queued {i}"} for i in range(2 * len(entries) + 1)])
+            victims = handles[1::2][:len(entries)]
+            for handle, value in zip(victims, entries):
+                client.queue.client.hset(sched_key, handle.id, value.encode("utf-8", "surrogatepass"))
+            answers = client.queue.cancel([h.id for h in handles])
+            assert len(answers) == len(handles)
+            for handle, answer in zip(handles, answers):
+                if handle not in victims:
+                    assert answer == 1 and handle.result(timeout=10).status == "cancelled"
+        run()
+
+
 # -- results read back ------------------------------------------------------------------------
 def test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter(redis_url: str,
                                                                        queue_name: str) -> None:

@@ -13,7 +13,7 @@ from batchery.batching.keys import Keys
 from batchery.batching.settings import DEFAULT_CLASS_DELAYS
 from batchery.batching.request import Request
 from batchery.batching.policy import (Backlog, Candidate, charged, fair_lookahead, padded_tokens,
-                                      rank, select_batch, settled_by)
+                                      planned_after, rank, select_batch, settled_by)
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer
 
@@ -157,7 +157,8 @@ def test_lua_claim_agrees_with_the_python_rule(redis_server: RedisServer, case: 
     queue = RequestQueue(client, "policy-agreement")
     k: Keys = queue.keys
     client.delete(*[getattr(k, name) for name in ("pending", "sched", "requests", "leased",
-                                                    "owner", "delayed", "depth", "attempts")],
+                                                    "owner", "delayed", "depth", "attempts",
+                                                    "plan")],
                  k.claim("w#1"))  # a token names one claim: a replay would return its batch
     client.hset(k.settings, "fill_from_slower", int(fill_from_slower))
     server_now = int(client.time()[0]) * 1000
@@ -224,6 +225,140 @@ def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServ
         read_on = tokens[0] != 5
         assert [r.id for r in reply.batch] == ["orphan"] * read_on + ["r0", "r1"]
         assert client.zscore(k.pending, "orphan") == (None if read_on else now + 10)
+    client.close()
+
+
+def test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield(
+        redis_server: RedisServer) -> None:
+    """Varied lengths, a lookahead of 16, batches of 4: the first claim reads all 16 and
+    plans the next batches from them (planned_after: two, while at least 8 are left); the
+    next claims take them in turn: a member cancelled since is left out, one whose entry
+    was damaged is leased with its batch to be failed alone. A more urgent arrival drops a
+    plan: the claim after it reads again, headed by that request."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, f"policy-plans-{next(FAIR_RUNS)}")
+    size, budget, lookahead = 4, 10_000, 16
+
+    def enqueue(rid: str, tokens: int, priority: str) -> Candidate:
+        queue.enqueue([Request.validated(id=rid, input=0, priority=priority, tokens=tokens)])
+        fields = client.hget(queue.keys.sched, rid).split(":")
+        return Candidate(rid, tokens, int(fields[2]), rank=int(fields[3]))
+    queued = [enqueue(f"r{i:02d}", (i * 7) % 13 + 1, "batch") for i in range(40)]
+
+    def claim(n: int) -> list[str]:
+        reply = queue.claim(f"w#{n}", size, budget, 0, lookahead)
+        for r in reply.batch:
+            queued[:] = [c for c in queued if c.id != r.id]
+        return [r.id for r in reply.batch]
+
+    def read_now() -> tuple[list[str], list[list[str]]]:  # what a claim that reads leases, plans
+        read = sorted(queued, key=lambda c: (c.rank, c.id))[:lookahead]
+        chosen = select_batch(read, 0, size, budget, 0)
+        return chosen.batch, planned_after(read, chosen, 0, size, budget, lookahead)
+
+    batch, plans = read_now()
+    assert claim(1) == batch and len(plans) == 2  # 12 left, then 8 (half the lookahead)
+    assert claim(2) == plans[0]
+    cancelled, damaged = plans[1][-1], plans[1][1]
+    assert queue.cancel([cancelled]) == [1]
+    queued[:] = [c for c in queued if c.id != cancelled]
+    client.hset(queue.keys.sched, damaged, "damaged")
+    third = queue.claim("w#3", size, budget, 0, lookahead)
+    assert [r.id for r in third.batch] == [damaged] + [i for i in plans[1] if i not in (cancelled, damaged)]
+    assert third.batch[0].invalid and not any(r.invalid for r in third.batch[1:])
+    queued[:] = [c for c in queued if c.id not in {r.id for r in third.batch}]
+    batch, plans = read_now()  # the plan is spent: the next claim reads, and plans again
+    assert claim(4) == batch and plans
+    queued.append(enqueue("urgent", 3, "realtime"))
+    batch, _ = read_now()
+    assert batch[0] == "urgent" and claim(5) == batch != plans[0]
+    client.close()
+
+
+@st.composite
+def claim_runs(draw: st.DrawFn) -> tuple:
+    """A backlog of varied lengths and two classes, a worker's shape, and what happens
+    before each claim: nothing, a more urgent arrival, a cancel, or a damaged entry."""
+    n = draw(st.integers(1, 60))
+    backlog = [(draw(st.integers(1, 40)), draw(st.sampled_from([0, 0, 5000]))) for _ in range(n)]
+    events = draw(st.lists(st.sampled_from(["", "", "", "urgent", "cancel", "damage"]),
+                           min_size=80, max_size=80))
+    return (backlog, events, draw(st.integers(1, 8)), draw(st.integers(1, 200)),
+            draw(st.integers(1, 40)), draw(st.booleans()))
+
+
+@given(claim_runs())
+@settings(max_examples=60, deadline=None)
+def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
+        redis_server: RedisServer, case: tuple) -> None:
+    """Claims until the queue is empty, each compared with the rule: a claim that read past
+    a batch's worth plans the next batches (planned_after), and the next claims take them
+    while each one's head is the queue's head; a more urgent arrival drops the plan, a
+    cancelled member is left out, a member whose entry was damaged is leased to be failed
+    alone. Every request is leased once or cancelled, none lost."""
+    backlog, events, max_size, max_tokens, lookahead, fill_from_slower = case
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, f"policy-runs-{next(FAIR_RUNS)}")
+    k: Keys = queue.keys
+    client.hset(k.settings, "fill_from_slower", int(fill_from_slower))
+    now = int(client.time()[0]) * 1000
+    pending: dict[str, Candidate] = {}
+    added: list[str] = []
+
+    def add(rid: str, tokens: int, delay: int, rank_ms: int) -> None:
+        c = Candidate(rid, tokens, rank_ms - delay, 0, rank_ms)
+        pending[rid] = c
+        added.append(rid)
+        client.zadd(k.pending, {rid: c.rank})
+        client.hset(k.sched, rid, f"{tokens}:0:{c.enqueued_ms}:{c.rank}:"
+                                  f"{CLASS_OF_DELAY[delay]}:")
+        client.hset(k.requests, rid, json.dumps({"input": rid}))
+    for i, (tokens, delay) in enumerate(backlog):
+        add(f"r{i:02d}", tokens, delay, now - 70_000 + 10 * i + delay)
+    damaged: set[str] = set()
+    plan: list[list[str]] = []
+    leased: list[str] = []
+    cancelled: set[str] = set()
+    for n, event in enumerate(events):
+        if not pending:
+            break
+        order = sorted(pending.values(), key=lambda c: (c.rank, c.id))
+        if event == "urgent":  # before everything: the head changes
+            add(f"u{n:02d}", 1 + n % 40, 0, order[0].rank - 1)
+        elif event == "cancel":
+            victim = order[n % len(order)].id
+            assert queue.cancel([victim]) == [1]  # cancelled while queued
+            cancelled.add(victim)
+            del pending[victim]
+        elif event == "damage":
+            victim = order[n % len(order)].id
+            client.hset(k.sched, victim, "damaged")
+            damaged.add(victim)
+        order = sorted(pending.values(), key=lambda c: (c.rank, c.id))
+        if not order:
+            break
+        reply = queue.claim(f"w#{n}", max_size, max_tokens, 0, lookahead)
+        if plan and plan[0][0] == order[0].id:  # the next planned batch, less what is gone
+            members = [rid for rid in plan.pop(0) if rid in pending]
+            expected = [rid for rid in members if rid in damaged] + \
+                       [rid for rid in members if rid not in damaged]
+        else:
+            read = [None if c.id in damaged else c for c in order[:lookahead]]
+            if settled_by(read, reply.now_ms, max_size):
+                read = read[:max_size]
+            chosen = select_batch([c for c in read if c is not None], reply.now_ms, max_size,
+                                  max_tokens, 0, fill_from_slower)
+            plan = planned_after(read, chosen, reply.now_ms, max_size, max_tokens, lookahead,
+                                 fill_from_slower)
+            expected = [c.id for c in order[:len(read)] if c.id in damaged] + chosen.batch
+        assert [r.id for r in reply.batch] == expected, (n, event, plan)
+        assert all(bool(r.invalid) == (r.id in damaged) for r in reply.batch)
+        for rid in expected:
+            del pending[rid]
+        leased += expected
+    assert not pending
+    assert len(set(leased)) == len(leased) and not set(leased) & cancelled  # each once
+    assert set(leased) | cancelled == set(added)  # none lost
     client.close()
 
 

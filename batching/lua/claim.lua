@@ -12,6 +12,7 @@
 -- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --          counters (_common.lua fair_*)   K.served  HASH tenant -> tokens claimed
 -- K.rates  HASH tenant -> "level:ms": the token bucket of a tenant with a token rate
+-- K.plan   STRING the next batches one read of the lookahead chose ("planned", below)
 -- ARGV[1] lease token of this claim (worker id + claim number)
 -- ARGV[2] max_batch_size   ARGV[3] max_batch_tokens (padded)   ARGV[4] max_wait_ms
 -- ARGV[5] lookahead (how many of the most urgent requests to choose from, at most: the
@@ -383,13 +384,72 @@ if head_sched and limited(parse_sched(head_sched).tenant) then
   head_id, start_rank = open_head()  -- the global lookahead starts there too
 end
 local fair = setting(K.settings, 'fair_share', 1) ~= 0 and fair_reader(head_id) or nil
+local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
+
+-- Planned batches. With varied lengths a claim reads its whole lookahead (up to 1,024
+-- candidates) to take one batch (64): each request was read about 16 times. So a claim
+-- that read on chooses, from what it read, the next batches too (the same rule, each
+-- headed by the most urgent of what remains: batching/policy.py planned_after), while
+-- what remains holds at least half the lookahead, PLAN_BATCHES in all, and keeps them
+-- in K.plan: "shape:mark\nid\tid...\nid\tid..." (mark '~': the candidates were priced by
+-- estimate, so the claim after the plan hands ahead: below). The next claims take them in
+-- turn instead of
+-- reading, each only while its batch's head is the queue's head (nothing more urgent
+-- came, none of them was taken or cancelled), with the claim's shape (size, tokens,
+-- lookahead, fill_from_slower) and no fair share or token rate in play; a member no
+-- longer pending (or over the ceiling) is left out. A claim that does not take the next
+-- planned batch drops the plan. Padding stays within the rule's own noise (1 in 100 by
+-- bench.plan_quality) for a quarter of the reads.
+local PLAN_BATCHES = 4
+local shape = table.concat({ARGV[2], ARGV[3], ARGV[5], fill_from_slower and '1' or '0'}, ':')
+local planned, planned_scheds, plan_rest = nil, nil, nil  -- the next planned batch's ids
+-- and their entries, when this claim takes it; the batches after it
+local plan_estimated = false  -- the plan's candidates were priced by estimate
+do
+  local text = rcall('GET', K.plan)
+  if text and text ~= '' then
+    local a = string.find(text, '\n', 1, true)
+    local b = a and (string.find(text, '\n', a + 1, true) or #text + 1)
+    local next_ids = {}
+    if string.sub(text, 1, #shape + 1) == shape .. ':' then
+      plan_estimated = string.byte(text, #shape + 2) == 126  -- '~'
+      if b and not fair and not rated then
+        for id in string.gmatch(string.sub(text, a + 1, b - 1), '[^\t]+') do
+          next_ids[#next_ids + 1] = id
+        end
+      end
+    end
+    -- A member with a schedule entry is pending still: only a claim leases, and a claim
+    -- that does not take the plan drops it; a cancel deletes the entry. One without is
+    -- cancelled (left out) or an orphan (pending: leased, to be failed alone).
+    if head_id and next_ids[1] == head_id then  -- (the head is pending, under the ceiling)
+      local raws = rcall('HMGET', K.sched, unpack(next_ids))
+      planned, planned_scheds = {}, {}
+      for n, id in ipairs(next_ids) do
+        local raw, keep = raws[n], nil
+        if raw then
+          local t = (entry_of[raw] or read_entry(raw))[4]
+          keep = not ceiling or not t or t[5].rank <= tonumber(ceiling)
+        else
+          keep = rcall('ZSCORE', K.pending, id) ~= false
+        end
+        if keep then
+          planned[#planned + 1] = id
+          planned_scheds[#planned] = raw or false
+        end
+      end
+      plan_rest = string.sub(text, b + 1)
+    end
+    if not planned then rcall('SET', K.plan, '', 'KEEPTTL') end
+  end
+end
 -- the next `count` candidates (read in turn: `offset` is where the last read ended)
 local function pending_ids(offset, count)
   if fair then return fair.read(count) end
   return global_ids(offset, count)
 end
 local window = math.min(max_size, lookahead)
-local ids = pending_ids(0, window)
+local ids = planned or pending_ids(0, window)
 local stale = fair and fair.stale or {}
 if fair and #ids == 0 then  -- nothing live within reach: the global lookahead serves
   fair = nil
@@ -405,7 +465,7 @@ if #ids == 0 then
   return {now, math.max(1, tonumber(next_due[2]) - now), 0}
 end
 -- a candidate's rank is its pending score, and is in its sched entry too: read there
-local scheds = rcall('HMGET', K.sched, unpack(ids))
+local scheds = planned_scheds or rcall('HMGET', K.sched, unpack(ids))
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
 -- enqueue time); the taken ones' class is read once taken. This loop is most of a
@@ -461,7 +521,7 @@ for j = 2, n_live do
   if not settled then break end
   settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
 end
-if not settled and #ids == window and window < lookahead then
+if not settled and not planned and #ids == window and window < lookahead then
   local more = pending_ids(window, lookahead - window)
   stale = fair and fair.stale or stale
   if #more > 0 then
@@ -479,62 +539,107 @@ if price_estimates and n_estimated > 0 then
   return reply
 end
 
-local batch = {}
+-- The live candidates by length, built once: of_length[l] the ones of length l in rank
+-- order (.n of them), lens the lengths ascending, at[l] l's place in lens.
+local of_length, lens, n_lens, at = {}, {}, 0, {}
+for j = 1, n_live do
+  local l = lengths[j]
+  local list = of_length[l]
+  if list then
+    local n = list.n + 1
+    list[n], list.n = j, n
+  else
+    n_lens = n_lens + 1
+    lens[n_lens], of_length[l] = l, {j, n = 1}
+  end
+end
+if n_lens > 1 then table.sort(lens) end
+for x = 1, n_lens do at[lens[x]] = x end
+
+-- choose(h, taken): the batch the rule chooses, headed by live candidate h, from the
+-- live candidates not in `taken`: its indexes into `live` in rank order, and whether it
+-- is full. Classes as urgent as the head's first (class delay no larger), then the rest
+-- (unless the queue's fill_from_slower is 0), each by closest length to the head, ties by
+-- rank: a walk out from the head's length over `lens`, both sides of one gap merged in
+-- rank order, that stops once the batch is full: a batch's worth of candidates and the
+-- lengths between, not every candidate, for each batch chosen.
+local function choose(h, taken)
+  local head, head_delay = lengths[h], delays[h]
+  local chosen, n_chosen, longest, rejected = {h}, 1, head, false
+  for pass = 1, fill_from_slower and 2 or 1 do
+    local slower_pass = pass == 2
+    local lo, hi = at[head], at[head] + 1
+    while n_chosen < max_size and (lo >= 1 or hi <= n_lens) do
+      local below = lo >= 1 and head - lens[lo] or nil
+      local above = hi <= n_lens and lens[hi] - head or nil
+      local a = below and (not above or below <= above) and of_length[lens[lo]] or nil
+      local b = above and (not below or above <= below) and of_length[lens[hi]] or nil
+      if a then lo = lo - 1 end
+      if b then hi = hi + 1 end
+      local x, y, na, nb = 1, 1, a and a.n or 0, b and b.n or 0
+      while n_chosen < max_size and (x <= na or y <= nb) do  -- the two merged in rank order
+        local j
+        if y > nb or (x <= na and a[x] < b[y]) then j = a[x]; x = x + 1 else j = b[y]; y = y + 1 end
+        if not taken[j] and j ~= h then
+          if (delays[j] > head_delay) ~= slower_pass then
+            -- (a slower one in the first pass: its turn is the second, or, without
+            -- fill_from_slower, room left empty on purpose: run now, do not hold the head)
+            if not fill_from_slower then rejected = true end
+          else
+            local l = lengths[j]
+            local widest = l > longest and l or longest
+            if widest * (n_chosen + 1) <= max_tokens then
+              n_chosen = n_chosen + 1
+              chosen[n_chosen] = j
+              longest = widest
+            else
+              rejected = true
+            end
+          end
+        end
+      end
+    end
+  end
+  table.sort(chosen)
+  return chosen, rejected or n_chosen >= max_size
+end
+
+-- The batch: chosen from every live candidate; a planned one is taken as it is, full
+-- (chosen so when planned: its members fit, unless a count changed since).
+local batch, chosen = {}, nil
 local wait = 0
 if n_live > 0 then
-  local head = lengths[1]
-  local chosen, n_chosen, longest, rejected = {1}, 1, head, false
-  -- classes as urgent as the head's first (class delay no larger), then the rest (unless
-  -- the queue's fill_from_slower is 0), each by closest length to the head, ties by
-  -- rank: the candidates go into buckets by (slower, length gap), each bucket in rank
-  -- order, and only the buckets are sorted (one when all are alike, a few hundred with
-  -- varied lengths), not each of up to `lookahead` candidates.
-  local later = 1e8  -- above any length gap (lengths <= 1e7)
-  local buckets, keys, n_keys = {}, {}, 0
-  local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
-  for j = 2, n_live do
-    local slower = delays[j] > delays[1]
-    if fill_from_slower or not slower then
-      local gap = lengths[j] - head
-      if gap < 0 then gap = -gap end
-      local key = slower and later + gap or gap
-      local b = buckets[key]
-      if b then
-        local n = b.n + 1
-        b[n], b.n = j, n
-      else
-        n_keys = n_keys + 1
-        keys[n_keys], buckets[key] = key, {j, n = 1}
-      end
-    else
-      rejected = true  -- room left empty on purpose: run now, do not hold the head
-    end
-  end
-  if n_keys > 1 then table.sort(keys) end
-  for k = 1, n_keys do
-    local b = buckets[keys[k]]
-    for n = 1, b.n do
-      if n_chosen >= max_size then break end
-      local j = b[n]
-      local widest = lengths[j] > longest and lengths[j] or longest
-      if widest * (n_chosen + 1) <= max_tokens then
-        n_chosen = n_chosen + 1
-        chosen[n_chosen] = j
-        longest = widest
-      else
-        rejected = true
-      end
-    end
-    if n_chosen >= max_size then break end
-  end
-  local full = rejected or n_chosen >= max_size
+  local full
+  chosen, full = choose(1, {})
   local waited = now - head_enq
-  if not full and waited < max_wait then
-    wait = max_wait - waited
+  if not (full or planned) and waited < max_wait then
+    wait, chosen = max_wait - waited, nil
   else
-    table.sort(chosen)
     for n, j in ipairs(chosen) do batch[n] = live[j] end
   end
+end
+
+-- The next batches, planned (above) by a claim that read on and leased a batch: from
+-- the live candidates it did not take, each headed by the most urgent of them, while they
+-- hold at least half the lookahead and the batch chosen is full, kept for lease_ms.
+-- Returns how many requests it planned.
+local function plan_next(lease_ms)
+  local mark = (n_priced > 0 or plan_estimated) and ':~' or ':='
+  local taken, plans, n_taken, h = {}, {shape .. mark}, #chosen, 1
+  for _, j in ipairs(chosen) do taken[j] = true end
+  local n_planned = 0
+  while #plans < PLAN_BATCHES and 2 * (n_live - n_taken) >= lookahead do
+    while taken[h] do h = h + 1 end
+    local next_batch, full = choose(h, taken)
+    if not full then break end
+    local next_ids = {}
+    for n, j in ipairs(next_batch) do taken[j] = true; next_ids[n] = ids[live[j]] end
+    plans[#plans + 1] = table.concat(next_ids, '\t')
+    n_planned = n_planned + #next_ids
+    n_taken = n_taken + #next_ids
+  end
+  if #plans > 1 then rcall('SET', K.plan, table.concat(plans, '\n'), 'PX', lease_ms) end
+  return n_planned
 end
 
 local take, n_take = {}, 0
@@ -586,6 +691,16 @@ add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
                                     fmt_int(n_unreadable), table.concat(out_ids, '\n')}, '\n'),
       'PX', lease_ms)
+-- the plan: this claim took its next batch (the rest stays), or read on and plans
+local read_on = not planned and not fair and #ids > window
+local n_planned = 0
+if planned then
+  local first_line = shape .. (plan_estimated and ':~' or ':=')
+  rcall('SET', K.plan, plan_rest ~= '' and first_line .. '\n' .. plan_rest or first_line,
+        'KEEPTTL')
+elseif read_on and not rated and chosen then
+  n_planned = plan_next(lease_ms)
+end
 -- A counting worker's next batch, priced ahead: the estimated ones among the candidates
 -- its next claim will read and this one did not. A claim that read only a batch's worth
 -- (alike lengths) is followed by one that reads the next batch's worth from the new head;
@@ -599,11 +714,13 @@ rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n
 -- doubt: none estimated (producers that count exactly), nothing is handed ahead; all
 -- estimated (producers that estimate), the next ones as they stand, less the ones this
 -- worker just counted; an exact one among them is counted again and its count ignored;
--- a mix, the estimated ones among them, by their entries.
+-- a mix, the estimated ones among them, by their entries. A claim that planned the next
+-- batches is followed by those (exact: counted, or written exact above), then by one that
+-- reads past this one's end by as many as it took and planned; a planned claim hands
+-- nothing ahead.
 local ahead, m = {}, 0
-if price_estimates and n_priced > 0 then
-  local read_on = not fair and #ids > window
-  local next_ids = read_on and global_ids(#ids - n_take, n_take)
+if price_estimates and (n_priced > 0 or plan_estimated) and not planned then
+  local next_ids = read_on and global_ids(#ids - n_take, n_take + n_planned)
                    or pending_ids(0, window)
   local all_priced = n_priced == n_scheds
   if all_priced and next(counted) == nil then  -- (what was counted, this batch took)
