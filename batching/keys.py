@@ -137,8 +137,8 @@ class Keys:
     @property
     def plan(self) -> str:
         """STRING the next batches one claim chose from the lookahead it read, for the next
-        claims to take in turn ("shape\\nid\\tid...\\n...": batching/lua/claim.lua), kept for
-        the lease time; empty when none."""
+        claims to take in turn ("shape:mark\\nid\\tid...\\nid\\tid...": batching/lua/claim.lua),
+        kept for the lease time; '' or the first line alone when there are none."""
         return self._key("plan")
 
     @property

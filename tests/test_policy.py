@@ -18,6 +18,7 @@ from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer
 
 NOW = 1_800_000_000_000
+LATER = 10 ** 13  # a "now" past every wait: the rule's choice when a claim leases at once
 
 
 @st.composite
@@ -245,16 +246,16 @@ def test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield(
         return Candidate(rid, tokens, int(fields[2]), rank=int(fields[3]))
     queued = [enqueue(f"r{i:02d}", (i * 7) % 13 + 1, "batch") for i in range(40)]
 
-    def claim(n: int) -> list[str]:
-        reply = queue.claim(f"w#{n}", size, budget, 0, lookahead)
+    def claim(n: int, most: int = size) -> list[str]:
+        reply = queue.claim(f"w#{n}", most, budget, 0, lookahead)
         for r in reply.batch:
             queued[:] = [c for c in queued if c.id != r.id]
         return [r.id for r in reply.batch]
 
-    def read_now() -> tuple[list[str], list[list[str]]]:  # what a claim that reads leases, plans
-        read = sorted(queued, key=lambda c: (c.rank, c.id))[:lookahead]
-        chosen = select_batch(read, 0, size, budget, 0)
-        return chosen.batch, planned_after(read, chosen, 0, size, budget, lookahead)
+    def read_now(most: int = size) -> tuple[list[str], list[list[str]]]:  # what a claim that
+        read = sorted(queued, key=lambda c: (c.rank, c.id))[:lookahead]  # reads leases, plans
+        chosen = select_batch(read, LATER, most, budget, 0)
+        return chosen.batch, planned_after(read, chosen, LATER, most, budget, lookahead)
 
     batch, plans = read_now()
     assert claim(1) == batch and len(plans) == 2  # 12 left, then 8 (half the lookahead)
@@ -270,8 +271,47 @@ def test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield(
     batch, plans = read_now()  # the plan is spent: the next claim reads, and plans again
     assert claim(4) == batch and plans
     queued.append(enqueue("urgent", 3, "realtime"))
-    batch, _ = read_now()
-    assert batch[0] == "urgent" and claim(5) == batch != plans[0]
+    batch, plans = read_now()
+    assert batch[0] == "urgent" and claim(5) == batch and plans
+    batch, _ = read_now(3)  # another shape (batches of 3): the plan is not its to take
+    assert claim(6, 3) == batch
+    batch, _ = read_now()  # ... and it is gone
+    assert claim(7) == batch
+    client.close()
+
+
+def test_a_claim_that_does_not_take_the_plan_drops_it(redis_server: RedisServer) -> None:
+    """A plan of one batch, then a more urgent arrival whose claim takes some of its
+    members, not its head, and plans nothing itself (too few left): the plan goes with that
+    claim, so the next one reads again instead of leasing those members a second time."""
+    size, budget, lookahead = 4, 10_000, 16
+    lengths = [(i * 7) % 13 + 1 for i in range(12)]
+
+    def claimed(read: list[Candidate], most: int = size) -> tuple[list[str], list[list[str]]]:
+        chosen = select_batch(read, LATER, most, budget, 0)
+        return chosen.batch, planned_after(read, chosen, LATER, most, budget, lookahead)
+    backlog = [Candidate(f"r{i:02d}", t, 0, rank=1) for i, t in enumerate(lengths)]
+    first, plans = claimed(backlog)
+    left = [c for c in backlog if c.id not in first]
+    for urgent in range(1, 14):  # an arrival's length that makes the case
+        second, replanned = claimed([Candidate("urgent", urgent, 0, rank=0)] + left)
+        if len(plans) == 1 and not replanned and plans[0][0] not in second \
+                and set(plans[0]) & set(second):
+            break
+    else:
+        raise AssertionError("no arrival's length takes planned members but not the head")
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(client, f"policy-plans-{next(FAIR_RUNS)}")
+    queue.enqueue([Request.validated(id=c.id, input=0, priority="batch", tokens=c.tokens)
+                   for c in backlog])  # one call: one rank, in id order
+    leased = [r.id for r in queue.claim("w#1", size, budget, 0, lookahead).batch]
+    assert leased == first
+    queue.enqueue([Request.validated(id="urgent", input=0, priority="realtime", tokens=urgent)])
+    leased += [r.id for r in queue.claim("w#2", size, budget, 0, lookahead).batch]
+    assert leased[len(first):] == second
+    third, _ = claimed([c for c in left if c.id not in second])
+    assert [r.id for r in queue.claim("w#3", size, budget, 0, lookahead).batch] == third
+    assert not set(third) & set(leased)
     client.close()
 
 
@@ -282,7 +322,7 @@ def claim_runs(draw: st.DrawFn) -> tuple:
     n = draw(st.integers(1, 60))
     backlog = [(draw(st.integers(1, 40)), draw(st.sampled_from([0, 0, 5000]))) for _ in range(n)]
     events = draw(st.lists(st.sampled_from(["", "", "", "urgent", "cancel", "damage"]),
-                           min_size=80, max_size=80))
+                           max_size=40))
     return (backlog, events, draw(st.integers(1, 8)), draw(st.integers(1, 200)),
             draw(st.integers(1, 40)), draw(st.booleans()))
 
@@ -319,7 +359,7 @@ def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
     plan: list[list[str]] = []
     leased: list[str] = []
     cancelled: set[str] = set()
-    for n, event in enumerate(events):
+    for n, event in enumerate(events + [""] * 200):  # then claims alone, until it is empty
         if not pending:
             break
         order = sorted(pending.values(), key=lambda c: (c.rank, c.id))

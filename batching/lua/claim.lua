@@ -145,6 +145,12 @@ end
 -- entries built from it by count}; NOT_AN_ENTRY (no fields) for what cannot be read.
 local NOT_AN_ENTRY = {}
 local entry_of, tail_of = {}, {}
+local count_of = {}  -- tokens text -> its number, converted once per distinct text
+local function count_in(tokens)
+  local c = count_of[tokens]
+  if not c then c = tonumber(tokens); count_of[tokens] = c end
+  return c
+end
 local function read_entry(raw)
   local colon = string.find(raw, ':', 1, true)
   local is_estimated = string.byte(raw, 1) == 126  -- '~'
@@ -312,7 +318,7 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
     end
     members[m + i] = g.head .. id
     g.n = g.n + 1
-    if i > n_unserved then g.served = g.served + tonumber(e[2]) end
+    if i > n_unserved then g.served = g.served + count_in(e[2]) end
   end
   for _, g in pairs(by_tail) do
     local s, tokens = g.s, g.served
@@ -398,8 +404,8 @@ local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
 -- came, none of them was taken or cancelled), with the claim's shape (size, tokens,
 -- lookahead, fill_from_slower) and no fair share or token rate in play; a member no
 -- longer pending (or over the ceiling) is left out. A claim that does not take the next
--- planned batch drops the plan. Padding stays within the rule's own noise (1 in 100 by
--- bench.plan_quality) for a quarter of the reads.
+-- planned batch drops the plan. Padding stays within the rule's own noise (2 in 100 either
+-- way by bench.plan_quality) for a quarter of the reads.
 local PLAN_BATCHES = 4
 local shape = table.concat({ARGV[2], ARGV[3], ARGV[5], fill_from_slower and '1' or '0'}, ':')
 local planned, planned_scheds, plan_rest = nil, nil, nil  -- the next planned batch's ids
@@ -419,20 +425,19 @@ do
         end
       end
     end
-    -- A member with a schedule entry is pending still: only a claim leases, and a claim
-    -- that does not take the plan drops it; a cancel deletes the entry. One without is
-    -- cancelled (left out) or an orphan (pending: leased, to be failed alone).
+    -- A member with a readable schedule entry is pending still, at the rank the entry
+    -- holds: only a claim leases, and a claim that does not take the plan drops it; a
+    -- cancel deletes the entry. One without (or with one damaged since) is looked up:
+    -- cancelled (left out), or an orphan (pending: leased, to be failed alone). A planned
+    -- head that expired since is leased as expired, and the next member heads the batch.
     if head_id and next_ids[1] == head_id then  -- (the head is pending, under the ceiling)
       local raws = rcall('HMGET', K.sched, unpack(next_ids))
       planned, planned_scheds = {}, {}
       for n, id in ipairs(next_ids) do
-        local raw, keep = raws[n], nil
-        if raw then
-          local t = (entry_of[raw] or read_entry(raw))[4]
-          keep = not ceiling or not t or t[5].rank <= tonumber(ceiling)
-        else
-          keep = rcall('ZSCORE', K.pending, id) ~= false
-        end
+        local raw = raws[n]
+        local t = raw and (entry_of[raw] or read_entry(raw))[4]
+        local rank = t and t[5].rank or tonumber(rcall('ZSCORE', K.pending, id) or nil)
+        local keep = rank ~= nil and (not ceiling or rank <= tonumber(ceiling))
         if keep then
           planned[#planned + 1] = id
           planned_scheds[#planned] = raw or false
@@ -474,7 +479,7 @@ local scheds = planned_scheds or rcall('HMGET', K.sched, unpack(ids))
 local expired, live, lengths, delays, unreadable, estimated = {}, {}, {}, {}, {}, {}
 local n_expired, n_live, n_unreadable, n_estimated = 0, 0, 0, 0  -- (no # per candidate: a search)
 local n_scheds, n_priced = 0, 0  -- candidates with an entry; of them, priced by estimate
-local length_of, head_enq = {}, nil
+local head_enq = nil
 local function scan(first)
   for i = first, #ids do
     local id, raw = ids[i], scheds[i]
@@ -506,8 +511,7 @@ local function scan(first)
       else
         n_live = n_live + 1
         live[n_live] = i
-        local length = length_of[tokens]
-        if not length then length = tonumber(tokens); length_of[tokens] = length end
+        local length = count_of[tokens] or count_in(tokens)
         lengths[n_live], delays[n_live] = length, t[3]
         head_enq = head_enq or t[2]
         if is_estimated then n_estimated = n_estimated + 1; estimated[n_estimated] = id end
@@ -600,7 +604,9 @@ local function choose(h, taken)
       end
     end
   end
-  table.sort(chosen)
+  for x = 2, n_chosen do  -- in rank order (sorted only when the walk took them out of it)
+    if chosen[x] < chosen[x - 1] then table.sort(chosen); break end
+  end
   return chosen, rejected or n_chosen >= max_size
 end
 
