@@ -417,7 +417,8 @@ def tenant_cases(draw: st.DrawFn) -> tuple[list[list[int]], list[float], int, in
 @settings(max_examples=60, deadline=None)
 def test_lua_fair_claims_agree_with_the_python_rule(redis_server: RedisServer, case: tuple) -> None:
     """Tenants enqueued together, claimed until empty: each claim leases what
-    select_batch chooses from fair_lookahead over the counters charged() so far."""
+    select_batch chooses from fair_lookahead over the counters charged() so far; once one
+    tenant is left, from the global lookahead, which plans (planned_after)."""
     token_lists, weights, max_size, max_tokens, lookahead = case
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(client, f"policy-fair-{next(FAIR_RUNS)}")
@@ -432,6 +433,7 @@ def test_lua_fair_claims_agree_with_the_python_rule(redis_server: RedisServer, c
                                     rank=int(s.split(":")[3]))
                           for i, (t, s) in enumerate(zip(tokens, sched))]
     counters = dict.fromkeys(tenants, 0.0)
+    plan: list[list[str]] = []  # one tenant left: the global lookahead, which plans
     for n in range(200):
         backlogs = [Backlog(t, counters[t], queued[t]) for t in tenants if queued[t]]
         if not backlogs:
@@ -441,10 +443,15 @@ def test_lua_fair_claims_agree_with_the_python_rule(redis_server: RedisServer, c
         else:
             candidates = backlogs[0].queued[:lookahead]
         reply = queue.claim(f"w#{n}", max_size, max_tokens, 0, lookahead)
-        if settled_by(candidates, reply.now_ms, max_size):
-            candidates = candidates[:max_size]
-        expected = select_batch(candidates, reply.now_ms, max_size, max_tokens, 0)
-        assert [r.id for r in reply.batch] == expected.batch, (n, counters)
+        if len(backlogs) == 1 and plan and plan[0][0] == candidates[0].id:
+            assert [r.id for r in reply.batch] == plan.pop(0), (n, counters)
+        else:
+            if settled_by(candidates, reply.now_ms, max_size):
+                candidates = candidates[:max_size]
+            expected = select_batch(candidates, reply.now_ms, max_size, max_tokens, 0)
+            assert [r.id for r in reply.batch] == expected.batch, (n, counters)
+            plan = planned_after(candidates, expected, reply.now_ms, max_size, max_tokens,
+                                 lookahead) if len(backlogs) == 1 else []
         for r in reply.batch:
             counters[r.tenant] = charged(counters[r.tenant], r.tokens, weights[tenants.index(r.tenant)])
             queued[r.tenant] = [c for c in queued[r.tenant] if c.id != r.id]
