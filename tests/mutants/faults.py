@@ -228,7 +228,7 @@ FAULTS: tuple[Fault, ...] = (
            "tests/test_policy.py::test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans")),
     Fault("a claim that does not take the plan leaves it", "batching/lua/claim.lua",
           "    if not planned then rcall('SET', K.plan, '', 'KEEPTTL') end\n", "\n",
-          ("tests/test_policy.py::test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield",)),
+          ("tests/test_policy.py::test_a_claim_that_does_not_take_the_plan_drops_it",)),
     Fault("plans go on past half the lookahead (python rule)", "batching/policy.py",
           "    while len(plans) < PLAN_BATCHES - 1 and 2 * len(rest) >= lookahead:",
           "    while len(plans) < PLAN_BATCHES - 1 and rest:",
