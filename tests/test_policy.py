@@ -229,6 +229,14 @@ def test_a_settled_claim_reads_no_further_than_its_batch(redis_server: RedisServ
     client.close()
 
 
+def leases_and_plans(read: list[Candidate], most: int, budget: int,
+                     lookahead: int) -> tuple[list[str], list[list[str]]]:
+    """What a claim that reads ``read`` (the lookahead, in rank order) leases at once, and
+    the batches it plans after it."""
+    chosen = select_batch(read, LATER, most, budget, 0)
+    return chosen.batch, planned_after(read, chosen, LATER, most, budget, lookahead)
+
+
 def test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield(
         redis_server: RedisServer) -> None:
     """Varied lengths, a lookahead of 16, batches of 4: the first claim reads all 16 and
@@ -252,10 +260,9 @@ def test_a_claim_that_read_its_lookahead_plans_the_next_batches_and_they_yield(
             queued[:] = [c for c in queued if c.id != r.id]
         return [r.id for r in reply.batch]
 
-    def read_now(most: int = size) -> tuple[list[str], list[list[str]]]:  # what a claim that
-        read = sorted(queued, key=lambda c: (c.rank, c.id))[:lookahead]  # reads leases, plans
-        chosen = select_batch(read, LATER, most, budget, 0)
-        return chosen.batch, planned_after(read, chosen, LATER, most, budget, lookahead)
+    def read_now(most: int = size) -> tuple[list[str], list[list[str]]]:
+        read = sorted(queued, key=lambda c: (c.rank, c.id))[:lookahead]
+        return leases_and_plans(read, most, budget, lookahead)
 
     batch, plans = read_now()
     assert claim(1) == batch and len(plans) == 2  # 12 left, then 8 (half the lookahead)
@@ -287,9 +294,8 @@ def test_a_claim_that_does_not_take_the_plan_drops_it(redis_server: RedisServer)
     size, budget, lookahead = 4, 10_000, 16
     lengths = [(i * 7) % 13 + 1 for i in range(12)]
 
-    def claimed(read: list[Candidate], most: int = size) -> tuple[list[str], list[list[str]]]:
-        chosen = select_batch(read, LATER, most, budget, 0)
-        return chosen.batch, planned_after(read, chosen, LATER, most, budget, lookahead)
+    def claimed(read: list[Candidate]) -> tuple[list[str], list[list[str]]]:
+        return leases_and_plans(read, size, budget, lookahead)
     backlog = [Candidate(f"r{i:02d}", t, 0, rank=1) for i, t in enumerate(lengths)]
     first, plans = claimed(backlog)
     left = [c for c in backlog if c.id not in first]

@@ -408,6 +408,10 @@ local fill_from_slower = setting(K.settings, 'fill_from_slower', 1) ~= 0
 -- way by bench.plan_quality) for a quarter of the reads.
 local PLAN_BATCHES = 4
 local shape = table.concat({ARGV[2], ARGV[3], ARGV[5], fill_from_slower and '1' or '0'}, ':')
+-- the plan's first line: its shape and mark ('~': its candidates were priced by estimate)
+local function plan_line(estimated)
+  return shape .. (estimated and ':~' or ':=')
+end
 local planned, planned_scheds, plan_rest = nil, nil, nil  -- the next planned batch's ids
 -- and their entries, when this claim takes it; the batches after it
 local plan_estimated = false  -- the plan's candidates were priced by estimate
@@ -630,8 +634,7 @@ end
 -- hold at least half the lookahead and the batch chosen is full, kept for lease_ms.
 -- Returns how many requests it planned.
 local function plan_next(lease_ms)
-  local mark = (n_priced > 0 or plan_estimated) and ':~' or ':='
-  local taken, plans, n_taken, h = {}, {shape .. mark}, #chosen, 1
+  local taken, plans, n_taken, h = {}, {plan_line(n_priced > 0 or plan_estimated)}, #chosen, 1
   for _, j in ipairs(chosen) do taken[j] = true end
   local n_planned = 0
   while #plans < PLAN_BATCHES and 2 * (n_live - n_taken) >= lookahead do
@@ -701,7 +704,7 @@ rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n
 local read_on = not planned and not fair and #ids > window
 local n_planned = 0
 if planned then
-  local first_line = shape .. (plan_estimated and ':~' or ':=')
+  local first_line = plan_line(plan_estimated)
   rcall('SET', K.plan, plan_rest ~= '' and first_line .. '\n' .. plan_rest or first_line,
         'KEEPTTL')
 elseif read_on and not rated and chosen then
