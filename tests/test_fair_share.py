@@ -7,14 +7,18 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from batchery.batching.calls import Cancelled, Failed
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
-from tests.conftest import wait_for
+from tests.conftest import RedisServer, examples, wait_for
 
 MAX_SIZE, BUDGET = 8, 64  # a claim's max_batch_size and max_batch_tokens (padded)
 TOKENS = itertools.count()  # a claim token names one claim: each claim gets its own
@@ -214,3 +218,207 @@ def test_the_share_holds_across_shards(rconn: redis.Redis, queue_name: str) -> N
     assert max(gaps) <= shards * bound(weights), (max(gaps), shards * bound(weights))
     share_b = served["b"] * 2 / (served["a"] + served["b"] * 2)
     assert abs(share_b - 2 / 3) < 0.03, share_b  # b's share of the tokens served: 2/3
+
+
+# -- sub-queues only once shared (lua/_common.lua FAIR_MODE) ----------------------------
+
+def listing(queue: RequestQueue) -> dict[str, Any]:
+    """What the queue keeps of its sub-queues: its mode ('listed', 'sole\\tTENANT' or
+    None), the listed members by id, the pending ids and entries, fair_tenants' (class,
+    tenant) pairs."""
+    c, k = queue.client, queue.keys
+    pending = c.zrange(k.pending, 0, -1)
+    return {"mode": c.hget(k.vtc, "\tmode"),
+            "members": {m.split("\t")[3]: m for m in c.zrange(k.fair, 0, -1)},
+            "pending": dict(zip(pending, c.hmget(k.sched, pending) if pending else [])),
+            "tenants": {tuple(m.split("\t")[::2]) for m in c.zrange(k.fair_tenants, 0, -1)}}
+
+
+def check_listing(queue: RequestQueue) -> str:
+    """The rule of the sub-queues, whatever came before: listed, every pending request is
+    in its (class, tenant) sub-queue at its rank and nothing else is, and the backlogged
+    tenants are those with work pending; listing, so are those ranked before where the
+    listing has come to, and nothing listed is not pending; else nothing is listed and the
+    pending work is one tenant's, the sole one, backlogged in each class it has work in.
+    Returns the mode."""
+    state = listing(queue)
+    # tokens:expire:enqueued:rank:class:client:tenant
+    entries = {i: s.split(":") for i, s in state["pending"].items()}
+    pairs = {(e[4], e[6]) for e in entries.values()}
+    members = {i: f"{e[4]}\t{e[6]}\t{int(e[3]):015d}\t{i}" for i, e in entries.items()}
+    if (state["mode"] or "").startswith("listing\t"):
+        upto = float(state["mode"].split("\t")[1])
+        assert state["members"].items() <= members.items()
+        assert {i for i, e in entries.items() if int(e[3]) < upto} <= state["members"].keys()
+        return "listing"
+    if state["mode"] == "listed" or (state["mode"] is None and state["members"]):
+        assert state["members"] == members
+        assert state["tenants"] == pairs
+        return "listed"
+    assert not state["members"]
+    if state["mode"] is None:
+        assert not entries
+        return "new"
+    sole = state["mode"].removeprefix("sole\t")
+    assert {tenant for _, tenant in pairs} <= {sole} and pairs <= state["tenants"]
+    assert {tenant for _, tenant in state["tenants"]} <= {sole}
+    return "sole"
+
+
+def test_one_tenant_lists_nothing_until_another_has_work_pending_beside_it(
+        queue: RequestQueue) -> None:
+    """A's work alone: nothing listed, however it is claimed. B's work beside it: the whole
+    backlog is listed and shared from the next claim on. Once the queue is empty, the
+    next tenant alone lists nothing again."""
+    enqueue(queue, "a", 300, 1)
+    assert check_listing(queue) == "sole"
+    for n in range(5):
+        queue.claim(f"w#a{n}", MAX_SIZE, BUDGET, 0, 256)
+        assert check_listing(queue) == "sole"
+    enqueue(queue, "b", 40, 2)
+    assert check_listing(queue) == "listed"  # a's backlog too (check_listing: all pending)
+    assert {m.split("\t")[1] for m in listing(queue)["members"].values()} == {"a", "b"}
+    firsts = [queue.claim(f"w#ab{n}", MAX_SIZE, BUDGET, 0, 256).batch for n in range(4)]
+    assert {r.tenant for batch in firsts for r in batch} == {"a", "b"}  # shared, not a's alone
+    assert check_listing(queue) == "listed"
+    while queue.claim(f"w#{next(TOKENS)}", MAX_SIZE, BUDGET, 0, 256).batch:
+        assert check_listing(queue) in ("listed", "new")
+    assert check_listing(queue) == "new" and not listing(queue)["tenants"]
+    enqueue(queue, "b", 10, 3)
+    assert check_listing(queue) == "sole"
+
+
+def test_a_deep_backlog_is_listed_a_step_per_call_and_then_shared(queue: RequestQueue) -> None:
+    """z's backlog is over two listing steps deep: the switching call lists one step, each
+    call after it (an enqueue, a claim) one more, the global lookahead serving by age
+    meanwhile (b, level with z and first by name, would lead a fair claim); once all is
+    listed, z and b share the class within the bound."""
+    for lo in range(0, 25_000, 500):  # as Client.map sends them: 500 a call, one rank each
+        queue.enqueue([Request.validated(id=f"z-{i}", input="x", priority="batch",
+                                         tokens=1 + i % 16, tenant="z") for i in range(lo, lo + 500)])
+    enqueue(queue, "b", 300, 2)
+    assert check_listing(queue) == "listing"
+    listed_z = sum(m.startswith("z-") for m in listing(queue)["members"])
+    assert listed_z == 9_500  # a step of 10,000 less the last rank's calls (the next step's)
+    first = queue.claim("w#listing", MAX_SIZE, BUDGET, 0, 256).batch
+    assert {r.tenant for r in first} == {"z"}  # by age while listing: z's oldest
+    assert check_listing(queue) == "listing"
+    queue.claim("w#listing2", MAX_SIZE, BUDGET, 0, 256)
+    assert check_listing(queue) == "listed"
+    gaps = claim_all(queue, {"z": 1.0, "b": 1.0})
+    assert len(gaps) > 20 and max(gaps) <= bound({"z": 1.0, "b": 1.0}), max(gaps)
+
+
+@pytest.mark.parametrize("back", ["release", "reaper", "retry due"])
+def test_another_tenants_request_back_in_pending_lists_the_queue(queue: RequestQueue,
+                                                                 back: str) -> None:
+    """a's request is running when b becomes the sole tenant (a had nothing else pending);
+    when a's request comes back to pending (given back, its lease lapsed, its retry due)
+    beside b's work, the queue is listed: a is not served by age behind b's backlog."""
+    enqueue(queue, "a", 1, 1)
+    running = queue.claim("w#a", MAX_SIZE, BUDGET, 0, 256).batch
+    enqueue(queue, "b", 30, 2)
+    assert check_listing(queue) == "sole" and listing(queue)["mode"] == "sole\tb"
+    r = running[0]
+    if back == "release":
+        queue.release([(r.id, r.lease_token)])
+    elif back == "reaper":
+        queue.client.zadd(queue.keys.leased, {r.id: 0})  # its lease lapsed
+        assert queue.reap().requeued == [r.id]
+    else:
+        queue.fail([(r.id, r.lease_token, Result(id=r.id, status="dead", error={
+            "type": "E", "message": "m"}).to_json())])
+        queue.client.zadd(queue.keys.delayed, {r.id: 0})  # its backoff over
+        queue.claim("w#due", 1, BUDGET, 0, 256)  # moves it back to pending, claims one
+        assert queue.client.zscore(queue.keys.delayed, r.id) is None
+    assert check_listing(queue) == "listed"
+
+
+def test_the_switch_lists_what_it_can_read(queue: RequestQueue) -> None:
+    """A schedule entry damaged in Redis is not listed when the queue switches (no
+    sub-queue to put it in); the others are, and the damaged one is still handed to a
+    worker to fail alone."""
+    enqueue(queue, "a", 20, 1)
+    sched = queue.client.hgetall(queue.keys.sched)
+    tail = sched["a-1-4"][sched["a-1-4"].index(":"):]
+    damaged = {"a-1-3": "x" + sched["a-1-3"], "a-1-4": "123456789" + tail,  # 9 digits
+               "a-1-5": sched["a-1-5"].replace(":batch:", "::")}              # no class
+    queue.client.hset(queue.keys.sched, mapping=damaged)
+    enqueue(queue, "b", 5, 2)
+    members = listing(queue)["members"]
+    assert listing(queue)["mode"] == "listed" and len(members) == 25 - len(damaged)
+    assert not set(damaged) & set(members)
+    handed = set()
+    while batch := queue.claim(f"w#{next(TOKENS)}", MAX_SIZE, BUDGET, 0, 256).batch:
+        handed |= {r.id for r in batch if r.invalid}
+    assert handed == set(damaged)
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("enqueue"), st.sampled_from("abc"), st.integers(1, 6),
+              st.sampled_from(["normal", "batch"])),
+    st.tuples(st.just("claim"), st.integers(1, 5)),
+    st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete"])),
+    st.tuples(st.just("cancel"), st.integers(0, 10**6))), max_size=40)
+LISTING_RUNS = itertools.count()
+
+
+@given(OPS)
+@settings(max_examples=examples(60), deadline=None)
+def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(redis_server: RedisServer,
+                                                            ops: list[tuple]) -> None:
+    """Enqueues of any tenants, claims, releases, failures retried (their backoff over),
+    leases lapsing (the reaper), cancels and commits, in any order: after each, the
+    sub-queues follow the rule of check_listing; drained, every request ran once or was
+    cancelled."""
+    conn = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = RequestQueue(conn, f"listing-{next(LISTING_RUNS)}")
+    made: list[str] = []
+    held: list[Any] = []
+    done, cancelled, dead = set(), set(), set()
+
+    def finish(batch: list) -> None:
+        queue.complete([(r.id, r.lease_token, Result(id=r.id, status="ok", attempts=1).to_json())
+                        for r in batch], {"requests": len(batch)})
+        done.update(r.id for r in batch)
+    for n, op in enumerate(ops):
+        if op[0] == "enqueue":
+            ids = [f"{op[1]}-{n}-{i}" for i in range(op[2])]
+            queue.enqueue([Request.validated(id=i, input="x", priority=op[3], tokens=1 + len(i) % 5,
+                                             tenant=op[1]) for i in ids])
+            made += ids
+        elif op[0] == "claim":
+            held += queue.claim(f"w#{n}", op[1], 10**6, 0, 64).batch
+        elif op[0] == "release" and held:
+            queue.release([(r.id, r.lease_token) for r in held])
+            held = []
+        elif op[0] == "fail" and held:
+            r = held.pop(0)
+            if queue.fail([(r.id, r.lease_token, Result(id=r.id, status="dead", error={
+                    "type": "E", "message": "m"}).to_json())])[0] == Failed.DEAD:
+                dead.add(r.id)
+        elif op[0] == "due":  # the retries' backoff over: the next claim moves them back
+            for i in conn.zrange(queue.keys.delayed, 0, -1):
+                conn.zadd(queue.keys.delayed, {i: 0})
+            held += queue.claim(f"w#due{n}", 1, 10**6, 0, 64).batch
+        elif op[0] == "lapse" and held:  # the leases expire: the reaper takes them back
+            conn.zadd(queue.keys.leased, {r.id: 0 for r in held})
+            queue.reap()
+            held = []
+        elif op[0] == "complete" and held:
+            finish(held)
+            held = []
+        elif op[0] == "cancel" and made:
+            victim = made[op[1] % len(made)]
+            if queue.cancel([victim])[0] in (Cancelled.QUEUED, Cancelled.RUNNING):
+                cancelled.add(victim)
+        check_listing(queue)
+    finish(held)
+    for i in conn.zrange(queue.keys.delayed, 0, -1):
+        conn.zadd(queue.keys.delayed, {i: 0})
+    while batch := queue.claim(f"w#drain{len(done)}", 8, 10**6, 0, 64).batch:
+        finish(batch)
+        check_listing(queue)
+    lost = set(made) - done - cancelled - dead
+    assert not lost, lost
+    conn.close()

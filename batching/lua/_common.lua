@@ -216,14 +216,15 @@ local function fair_has(K, class, tenant)
 end
 
 -- Add `tokens` served (0: none) to (class, tenant)'s counter at `weight`, and keep its
--- place in fair_tenants: listed while its sub-queue holds anything. A tenant leaving
--- with a counter at or below the class's floor is forgotten (it would start there).
-local function fair_charge(K, class, tenant, tokens, weight)
+-- place in fair_tenants: listed while its sub-queue holds anything (or `stays`: the sole
+-- tenant's, FAIR_MODE below). A tenant leaving with a counter at or below the class's
+-- floor is forgotten (it would start there).
+local function fair_charge(K, class, tenant, tokens, weight, stays)
   local field = class .. '\t' .. tenant
   local own, backlogged = fair_counter(K, class, tenant)
   if backlogged then rcall('ZREM', K.fair_tenants, tenant_member(class, own, tenant)) end
   local c = (own or fair_start(K, class)) + tokens / weight
-  if fair_has(K, class, tenant) then
+  if stays or fair_has(K, class, tenant) then
     rcall('HSET', K.vtc, field, counter_text(c))
     rcall('ZADD', K.fair_tenants, 0, tenant_member(class, c, tenant))
   elseif c <= (tonumber(rcall('HGET', K.vtc, class .. '\t') or '0') or 0) then
@@ -233,9 +234,151 @@ local function fair_charge(K, class, tenant, tokens, weight)
   end
 end
 
--- Put a request in its (class, tenant) sub-queue. s: its parsed sched entry.
+-- Sub-queues only once shared. While one tenant's work alone is pending (the queue's
+-- sole tenant), the global lookahead serves it as a fair claim would (one tenant), so
+-- its requests are not listed in `fair`: a sorted-set write and removal less per
+-- request, the costliest ones of a deep backlog. It is charged as before, backlogged in
+-- fair_tenants until another tenant becomes the sole one or the queue is listed.
+-- The first time another tenant's work would be pending beside the sole tenant's, the
+-- queue starts listing: what enters pending from then on is listed, and the backlog is,
+-- in rank order, LIST_STEP requests per call (the switching call, then each enqueue and
+-- claim: no call holds Redis long, where listing a million at once took seconds); the
+-- fair claim waits for the listing to end (until then the global lookahead serves, by
+-- age, as before the switch). Then the queue is listed, as before, until a claim leaves
+-- nothing listed (the queue drained). vtc's field FAIR_MODE holds which: LISTED, SOLE ..
+-- tenant, or LISTING .. the rank the backlog is listed up to (not included); none (a new
+-- or drained queue, or one from before this rule): listed when `fair` holds anything.
+-- docs/fair-share.md. (Retries waiting in `delayed` may be another tenant's: checked
+-- when they come due.)
+local FAIR_MODE, LISTED, SOLE, LISTING = '\tmode', 'listed', 'sole\t', 'listing\t'
+local LIST_STEP = 10000  -- pending requests a call lists while the queue switches
+-- FAIR_MODE as this call read it: {listed: what enters pending is listed, complete: all
+-- pending is (the fair claim may read the sub-queues), sole: the sole tenant, from: the
+-- rank the listing goes on from}
+local fair_state = nil
+local function fair_mode(K)
+  if not fair_state then
+    local v = rcall('HGET', K.vtc, FAIR_MODE) or ''
+    if string.sub(v, 1, #SOLE) == SOLE then
+      fair_state = {listed = false, complete = false, sole = string.sub(v, #SOLE + 1)}
+    elseif string.sub(v, 1, #LISTING) == LISTING then
+      fair_state = {listed = true, complete = false, from = string.sub(v, #LISTING + 1)}
+    else
+      local listed = v == LISTED or #rcall('ZRANGE', K.fair, 0, 0) > 0
+      fair_state = {listed = listed, complete = listed}
+    end
+  end
+  return fair_state
+end
+
+-- No tenant backlogged any more (fair_tenants emptied; the counters stay in vtc).
+local function fair_unjoin_all(K)
+  local members = rcall('ZRANGE', K.fair_tenants, 0, -1)
+  if #members > 0 then call_chunked('ZREM', K.fair_tenants, members) end
+end
+
+-- List these pending ids in their sub-queues, their tenants backlogged (fair_join).
+local function fair_list(K, ids)
+  if #ids == 0 then return end
+  -- an entry is its tokens and a tail the requests of one enqueue call share: each
+  -- distinct tail parsed once (into its member's head), not each entry
+  local joined, head_of, members = {}, {}, {}
+  local scheds = hmget_chunked(K.sched, ids)
+  for i, id in ipairs(ids) do
+    local raw = scheds[i] or ''
+    local colon = string.find(raw, ':', 1, true)
+    local tokens = colon and string.sub(raw, string.byte(raw, 1) == 126 and 2 or 1, colon - 1)
+    local head = false  -- (parse_sched's rule for the tokens: 1 to 8 digits)
+    if tokens and #tokens >= 1 and #tokens <= 8 and not string.find(tokens, '%D') then
+      local tail = string.sub(raw, colon)
+      head = head_of[tail]
+      if head == nil then
+        local s = parse_sched('0' .. tail)
+        head = not s.unreadable and fair_member(s.class, s.tenant, s.rank, '')
+        if head then joined[s.class .. '\t' .. s.tenant] = {s.class, s.tenant} end
+        head_of[tail] = head
+      end
+    end
+    if head then
+      members[#members + 1] = '0'
+      members[#members + 1] = head .. id
+    end
+  end
+  if #members > 0 then call_chunked('ZADD', K.fair, members) end
+  for _, pair in pairs(joined) do fair_join(K, pair[1], pair[2]) end
+end
+
+-- While the queue is listing: list its next LIST_STEP pending requests in rank order (a
+-- rank's requests all in one step), and end the listing when none are left.
+local function fair_list_step(K)
+  local state = fair_mode(K)
+  if state.complete or not state.listed then return end
+  -- (ZRANGE BYSCORE, not ZRANGEBYSCORE: the producer's ACL, docs/guides/least-privilege.md)
+  local got = rcall('ZRANGE', K.pending, state.from, '+inf', 'BYSCORE', 'LIMIT', 0, LIST_STEP,
+                    'WITHSCORES')
+  local n, ids, last = #got / 2, {}, nil
+  if n < LIST_STEP then
+    for i = 1, n do ids[i] = got[2 * i - 1] end
+  else
+    last = tonumber(got[2 * n])
+    if tonumber(got[2]) == last then  -- one rank throughout: all of it, however many
+      ids, last = rcall('ZRANGE', K.pending, last, last, 'BYSCORE'), last + 1
+    else  -- up to the last rank, which the next step reads whole
+      for i = 1, n do
+        if tonumber(got[2 * i]) < last then ids[#ids + 1] = got[2 * i - 1] end
+      end
+    end
+  end
+  fair_list(K, ids)
+  if last then
+    state.from = fmt_int(last)
+    rcall('HSET', K.vtc, FAIR_MODE, LISTING .. state.from)
+  else
+    state.complete = true
+    rcall('HSET', K.vtc, FAIR_MODE, LISTED)
+  end
+end
+
+-- Switch the queue to listing (see FAIR_MODE): fair_tenants built again as the backlog is
+-- listed (each tenant at its own counter, or its class's floor: fair_join), the first
+-- step taken now.
+local function fair_list_all(K)
+  fair_unjoin_all(K)
+  local state = fair_mode(K)
+  state.listed, state.complete, state.sole, state.from = true, false, nil, '-inf'
+  fair_list_step(K)
+end
+
+-- Whether requests entering pending now, all of `tenant` (false: of several tenants),
+-- are listed in their sub-queues: switching the queue to listing first when they would
+-- be pending beside another tenant's work. alone: nothing else is pending (they become the
+-- sole tenant's then).
+local function fair_listing(K, tenant, alone)
+  local state = fair_mode(K)
+  if state.listed then
+    fair_list_step(K)  -- (while the queue is listing)
+    return true
+  end
+  if tenant and tenant == state.sole then return false end
+  if tenant and alone then  -- the sole tenant before it has nothing pending: not backlogged
+    fair_unjoin_all(K)
+    rcall('HSET', K.vtc, FAIR_MODE, SOLE .. tenant)
+    state.sole = tenant
+    return false
+  end
+  fair_list_all(K)
+  return true
+end
+
+-- Put a request back in its (class, tenant) sub-queue, once it is in pending again.
+-- s: its parsed sched entry.
 local function fair_push(K, id, s)
-  rcall('ZADD', K.fair, 0, fair_member(s.class, s.tenant, s.rank, id))
+  local state = fair_mode(K)
+  if not state.listed and s.tenant ~= state.sole then
+    local head = rcall('ZRANGE', K.pending, 0, 1)
+    fair_listing(K, s.tenant, #head == 1 and head[1] == id)
+  end
+  if state.listed then rcall('ZADD', K.fair, 0, fair_member(s.class, s.tenant, s.rank, id)) end
   fair_join(K, s.class, s.tenant)
 end
 

@@ -221,6 +221,8 @@ end
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
 if setting(K.settings, 'paused', 0) ~= 0 then return {now, PAUSED_WAIT_MS, 0} end
 
+fair_list_step(K)  -- while the queue is listing its backlog (_common.lua FAIR_MODE)
+
 -- retries whose backoff is over go back to pending at their original rank
 local due = rcall('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 1000)
 if #due > 0 then
@@ -252,6 +254,7 @@ end
 -- claimed as another id's, enqueued again) are listed in r.stale to drop.
 local FAIR_TENANTS_READ = 64  -- tenants one claim may draw from: bounds its time
 local function fair_reader(head)
+  if not fair_mode(K).complete then return nil end  -- one tenant's work alone, or listing
   local raw = head and rcall('HGET', K.sched, head)
   if not raw then return nil end
   local s = parse_sched(raw)
@@ -296,6 +299,7 @@ end
 -- are dropped. Each tenant touched keeps its place in fair_tenants while it has work.
 local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
   local members, touched, served = {}, {}, {}
+  local mode = fair_mode(K)  -- (not listed: no sub-queue to leave, the sole tenant's)
   local function touch(class, tenant, tokens)
     local key = class .. '\t' .. tenant
     local t = touched[key] or {class = class, tenant = tenant, tokens = 0}
@@ -316,7 +320,7 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
       g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
       by_tail[e[3]] = g
     end
-    members[m + i] = g.head .. id
+    if mode.listed then members[m + i] = g.head .. id end
     g.n = g.n + 1
     if i > n_unserved then g.served = g.served + count_in(e[2]) end
   end
@@ -326,7 +330,13 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
     touch(s.class, s.tenant, tokens)
     served[s.tenant] = (served[s.tenant] or 0) + tokens
   end
-  if #members > 0 then call_chunked('ZREM', K.fair, members) end
+  if #members > 0 then
+    call_chunked('ZREM', K.fair, members)
+    -- nothing listed is left: one tenant's work alone may be pending again (FAIR_MODE)
+    if mode.complete and #rcall('ZRANGE', K.fair, 0, 0) == 0 then
+      rcall('HDEL', K.vtc, FAIR_MODE)
+    end
+  end
   local floors = {}
   for _, t in pairs(touched) do
     if t.tokens > 0 and not floors[t.class] then
@@ -340,7 +350,7 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
   end
   for _, t in pairs(touched) do
     local weight = tonumber(rcall('HGET', K.settings, 'tenant_weight:' .. t.tenant) or '1') or 1
-    fair_charge(K, t.class, t.tenant, t.tokens, weight > 0 and weight or 1)  -- (checked: > 0)
+    fair_charge(K, t.class, t.tenant, t.tokens, weight > 0 and weight or 1, not mode.listed)
   end
   for tenant, tokens in pairs(served) do
     if tokens > 0 then

@@ -201,6 +201,10 @@ local function group_of(priority, tenant)
   end
   return g
 end
+-- listed in sub-queues too, unless they are the sole tenant's (_common.lua FAIR_MODE)
+local one_tenant, n_tenants = nil, 0
+for tenant in pairs(by_tenant) do one_tenant, n_tenants = tenant, n_tenants + 1 end
+local listed = fresh > 0 and fair_listing(K, n_tenants == 1 and one_tenant, queued == 0)
 local zargs, hargs, sargs, fargs, counts, m = {}, {}, {}, {}, {}, 0
 i = 0
 for _, run in ipairs(runs) do
@@ -214,7 +218,7 @@ for _, run in ipairs(runs) do
       zargs[m + 1], zargs[m + 2] = rank, id
       hargs[m + 1], hargs[m + 2] = id, ARGV[a + 2]
       sargs[m + 1], sargs[m + 2] = id, ARGV[a + 1] .. tail
-      fargs[m + 1], fargs[m + 2] = '0', head .. id
+      if listed then fargs[m + 1], fargs[m + 2] = '0', head .. id end
       m = m + 2
       g.n = g.n + 1
     end
@@ -233,12 +237,12 @@ if fresh > 0 then
     call_chunked('HDEL', K.history, stale)
   end
   -- nothing queued: the per-request keys start again, in their wide encodings
-  local wide = {{K.requests, K.sched}, {K.pending, K.fair}}
+  local wide = {{K.requests, K.sched}, listed and {K.pending, K.fair} or {K.pending}}
   if queued == 0 then widen(true, wide[1], wide[2]) end
   call_chunked('ZADD', K.pending, zargs)
   call_chunked('HSET', K.requests, hargs)
   call_chunked('HSET', K.sched, sargs)
-  call_chunked('ZADD', K.fair, fargs)
+  if listed then call_chunked('ZADD', K.fair, fargs) end
   for _, pair in pairs(joined) do fair_join(K, pair[1], pair[2]) end
   add_depth(K.depth, counts)
   if queued == 0 then widen(false, wide[1], wide[2]) end

@@ -45,7 +45,7 @@ local floors, dropped = {}, {}
 for i = 1, #page[2], 2 do
   local field, counter = page[2][i], tonumber(page[2][i + 1])
   local class, tenant = string.match(field, '^([^\t]*)\t(.+)$')
-  if class and counter then
+  if class and class ~= '' and counter then  -- ('\tmode' is FAIR_MODE, no counter)
     floors[class] = floors[class] or tonumber(rcall('HGET', K.vtc, class .. '\t') or '0') or 0
     if counter <= floors[class]
         and not rcall('ZSCORE', K.fair_tenants, tenant_member(class, counter, tenant)) then
