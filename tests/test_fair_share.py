@@ -291,19 +291,26 @@ def test_one_tenant_lists_nothing_until_another_has_work_pending_beside_it(
 def test_a_deep_backlog_is_listed_a_step_per_call_and_then_shared(queue: RequestQueue) -> None:
     """z's backlog is over two listing steps deep: the switching call lists one step, each
     call after it (an enqueue, a claim) one more, the global lookahead serving by age
-    meanwhile (b, level with z and first by name, would lead a fair claim); once all is
-    listed, z and b share the class within the bound."""
+    meanwhile (b, level with z and first by name, would lead a fair claim); requests given
+    back or cancelled meanwhile keep the rule; once all is listed, z and b share the class
+    within the bound."""
     for lo in range(0, 25_000, 500):  # as Client.map sends them: 500 a call, one rank each
         queue.enqueue([Request.validated(id=f"z-{i}", input="x", priority="batch",
-                                         tokens=1 + i % 16, tenant="z") for i in range(lo, lo + 500)])
+                                         tokens=1 + i % 16, tenant="z")
+                       for i in range(lo, lo + 500)])
     enqueue(queue, "b", 300, 2)
     assert check_listing(queue) == "listing"
     listed_z = sum(m.startswith("z-") for m in listing(queue)["members"])
-    assert listed_z == 9_500  # a step of 10,000 less the last rank's calls (the next step's)
-    first = queue.claim("w#listing", MAX_SIZE, BUDGET, 0, 256).batch
-    assert {r.tenant for r in first} == {"z"}  # by age while listing: z's oldest
+    assert 0 < listed_z <= 10_000  # a step (the ranks past its last one: the next step's)
+    given_back = queue.claim("w#back", MAX_SIZE, BUDGET, 0, 256).batch
+    queue.release([(r.id, r.lease_token) for r in given_back])  # back below the listing's rank
+    queue.cancel(["z-0", "z-24999"])  # one listed, one not yet
     assert check_listing(queue) == "listing"
-    queue.claim("w#listing2", MAX_SIZE, BUDGET, 0, 256)
+    for n in range(10):  # each claim lists a step first; the one that ends it shares
+        batch = queue.claim(f"w#listing{n}", MAX_SIZE, BUDGET, 0, 256).batch
+        if check_listing(queue) == "listed":
+            break
+        assert {r.tenant for r in batch} == {"z"}  # by age while listing: z's oldest
     assert check_listing(queue) == "listed"
     gaps = claim_all(queue, {"z": 1.0, "b": 1.0})
     assert len(gaps) > 20 and max(gaps) <= bound({"z": 1.0, "b": 1.0}), max(gaps)
@@ -332,6 +339,28 @@ def test_another_tenants_request_back_in_pending_lists_the_queue(queue: RequestQ
         queue.claim("w#due", 1, BUDGET, 0, 256)  # moves it back to pending, claims one
         assert queue.client.zscore(queue.keys.delayed, r.id) is None
     assert check_listing(queue) == "listed"
+
+
+def test_only_tenants_with_work_stay_backlogged_across_sole_tenants_and_the_switch(
+        queue: RequestQueue) -> None:
+    """a alone, then drained: b alone is the sole tenant and a is backlogged nowhere. a's
+    work in two classes, one drained: when c's work comes beside it, a is backlogged in
+    the class it has work in only (or c would start level with a's old counter there)."""
+    enqueue(queue, "a", 3, 1)
+    taken = queue.claim("w#a", MAX_SIZE, 10**6, 0, 256).batch
+    queue.complete([(r.id, r.lease_token, Result(id=r.id, status="ok", attempts=1).to_json())
+                    for r in taken], {"requests": len(taken)})
+    enqueue(queue, "b", 3, 2)
+    assert check_listing(queue) == "sole" and listing(queue)["tenants"] == {("batch", "b")}
+    while queue.claim(f"w#{next(TOKENS)}", MAX_SIZE, 10**6, 0, 256).batch:
+        pass
+    enqueue(queue, "a", 3, 3, priority="normal")
+    enqueue(queue, "a", 3, 4, priority="batch")
+    assert {r.priority for r in queue.claim("w#normal", 3, 10**6, 0, 256).batch} == {"normal"}
+    assert check_listing(queue) == "sole" and ("normal", "a") in listing(queue)["tenants"]
+    enqueue(queue, "c", 1, 5, priority="normal")
+    assert check_listing(queue) == "listed"  # backlogged: (batch, a) and (normal, c)
+    assert listing(queue)["tenants"] == {("batch", "a"), ("normal", "c")}
 
 
 def test_the_switch_lists_what_it_can_read(queue: RequestQueue) -> None:
@@ -403,7 +432,7 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(redis_server: RedisS
             held += queue.claim(f"w#due{n}", 1, 10**6, 0, 64).batch
         elif op[0] == "lapse" and held:  # the leases expire: the reaper takes them back
             conn.zadd(queue.keys.leased, {r.id: 0 for r in held})
-            queue.reap()
+            dead.update(queue.reap().dead)  # (a third lapse dead-letters it)
             held = []
         elif op[0] == "complete" and held:
             finish(held)

@@ -333,17 +333,22 @@ local function fair_list_step(K)
   if last then
     state.from = fmt_int(last)
     rcall('HSET', K.vtc, FAIR_MODE, LISTING .. state.from)
-  else
-    state.complete = true
-    rcall('HSET', K.vtc, FAIR_MODE, LISTED)
+    return
+  end
+  state.complete = true
+  rcall('HSET', K.vtc, FAIR_MODE, LISTED)
+  -- all listed: a tenant backlogged with nothing listed (the sole tenant in a class it
+  -- has no work left in) leaves fair_tenants, as a charge would have it leave
+  for _, member in ipairs(rcall('ZRANGE', K.fair_tenants, 0, -1)) do
+    local class, tenant = string.match(member, '^([^\t]*)\t[^\t]*\t(.*)$')
+    if not fair_has(K, class, tenant) then fair_charge(K, class, tenant, 0, 1) end
   end
 end
 
--- Switch the queue to listing (see FAIR_MODE): fair_tenants built again as the backlog is
--- listed (each tenant at its own counter, or its class's floor: fair_join), the first
--- step taken now.
+-- Switch the queue to listing (see FAIR_MODE): the backlog's tenants join fair_tenants as
+-- it is listed (each at its own counter, or its class's least backlogged one: fair_join;
+-- the sole tenant is there already), the first step taken now.
 local function fair_list_all(K)
-  fair_unjoin_all(K)
   local state = fair_mode(K)
   state.listed, state.complete, state.sole, state.from = true, false, nil, '-inf'
   fair_list_step(K)
