@@ -223,8 +223,8 @@ def test_the_share_holds_across_shards(rconn: redis.Redis, queue_name: str) -> N
 # -- sub-queues only once shared (lua/_common.lua FAIR_MODE) ----------------------------
 
 def listing(queue: RequestQueue) -> dict[str, Any]:
-    """What the queue keeps of its sub-queues: its mode ('listed', 'sole\\tTENANT' or
-    None), the listed members by id, the pending ids and entries, fair_tenants' (class,
+    """What the queue keeps of its sub-queues: its mode ('listed', 'sole\\tTENANT',
+    'listing\\tRANK' or None), the listed members by id, the pending ids and entries, fair_tenants' (class,
     tenant) pairs."""
     c, k = queue.client, queue.keys
     pending = c.zrange(k.pending, 0, -1)
@@ -303,6 +303,7 @@ def test_a_deep_backlog_is_listed_a_step_per_call_and_then_shared(queue: Request
     listed_z = sum(m.startswith("z-") for m in listing(queue)["members"])
     assert 0 < listed_z <= 10_000  # a step (the ranks past its last one: the next step's)
     given_back = queue.claim("w#back", MAX_SIZE, BUDGET, 0, 256).batch
+    assert {r.tenant for r in given_back} == {"z"}  # by age while listing: z's oldest
     queue.release([(r.id, r.lease_token) for r in given_back])  # back below the listing's rank
     queue.cancel(["z-0", "z-24999"])  # one listed, one not yet
     assert check_listing(queue) == "listing"
