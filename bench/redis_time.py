@@ -20,7 +20,10 @@ end with defaults: one ``batchery worker --runner bench.runners:noop`` (no other
 claim, renew, commit, result delivery, reap, the rest) in one run with it, each part also
 in pipelined-ZADD equivalents: the CPU of one ``ZADD key score member`` sent 1,000 to a
 pipeline on the same server, the unit of the issue's floor (one hash write, one sorted-set
-add, one claim, one result write, one delivery: a few ZADDs).
+add, one claim, one result write, one delivery: a few ZADDs). The unit is timed right
+before each run and each run counted in its own (the VM's speed drifts between runs by
+more than most changes move a run): the ZADDs are the runs' median, the microseconds the
+best run's.
 
 ``--producer-first``: each run enqueues its N requests first (500 a call, as ``Client.map``),
 then starts the worker and waits for the results. ``--exact``: the producer sends each
@@ -40,6 +43,7 @@ part; the best of 3 runs (or of R).
 from __future__ import annotations
 
 import hashlib
+import statistics
 from typing import Any
 
 import redis
@@ -262,7 +266,6 @@ def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool 
                  text: bool = False) -> dict[str, Any]:
     """The per-script table, with defaults (see the module's docstring)."""
     with common.private_redis() as url:
-        unit = min(zadd_us(url) for _ in range(3))
         worker = noop_worker(url, text)
         try:
             with Client(url, E2E_QUEUE) as client:
@@ -270,16 +273,20 @@ def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool 
                 client.map(range(1000))  # warm: scripts loaded, listener up
                 if producer_first:  # each run starts its own worker after its enqueues
                     common.stop([worker])
-                totals = [end_to_end(url, client, n, False, exact, producer_first, text)["us"]
-                          for _ in range(repeat)]
+                units, totals = [], []
+                for _ in range(repeat):  # the unit timed beside each run: the VM's speed drifts
+                    units.append(zadd_us(url))
+                    totals.append(end_to_end(url, client, n, False, exact, producer_first, text)["us"])
                 split = end_to_end(url, client, n, True, exact, producer_first, text)["split"]
         finally:
             common.stop([worker])
     best = min(totals)
+    zadds = statistics.median(t / u for t, u in zip(totals, units))  # each run in its own unit
     rows = [{"part": r["part"], "share": r["share"], "us": best * r["share"],
-             "zadds": best * r["share"] / unit} for r in split["rows"] if r["part"] in PARTS]
-    rows.append({"part": "all (/proc, no slow log)", "share": 1.0, "us": best, "zadds": best / unit})
-    return {"zadd_us": unit, "runs_us": totals, "rows": rows, "commandstats": split["commandstats"]}
+             "zadds": zadds * r["share"]} for r in split["rows"] if r["part"] in PARTS]
+    rows.append({"part": "all (/proc, no slow log)", "share": 1.0, "us": best, "zadds": zadds})
+    return {"zadd_us": units, "runs_us": totals, "zadds": zadds, "rows": rows,
+            "commandstats": split["commandstats"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -304,8 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pricing = "counts tokens" if args.exact else "estimates"
     inputs = "paragraphs" if args.text else "integers"
     print(f"\nredis-server CPU per request, end to end with defaults ({n:,} requests; {inputs}; {order}; "
-          f"the producer {pricing}; one pipelined ZADD = {out['zadd_us']:.2f} us; runs: "
-          f"{', '.join(f'{u:.1f}' for u in out['runs_us'])} us; {common.machine()}):\n\n{text}\n\n"
+          f"the producer {pricing}; runs: "
+          f"{', '.join(f'{t:.1f} us ({t / u:.1f} ZADDs of {u:.2f} us)' for t, u in zip(out['runs_us'], out['zadd_us']))}"
+          f"; us: the best run, ZADDs: the runs' median; {common.machine()}):\n\n{text}\n\n"
           + common.table(out["commandstats"], TOP_COLUMNS) + "\n")
     common.save("redis_time", {"machine": common.machine(), "requests": n, "exact": args.exact, "text": args.text,
                                "producer_first": args.producer_first, **out})
