@@ -94,6 +94,21 @@ local function parse_sched(s)
           tenant = tenant}
 end
 
+-- A sched entry split where the requests of one enqueue call part ways: its tokens text
+-- (digits, no '~'), whether they are estimated, and the tail they share (":expire:...:
+-- tenant", read once per distinct tail as parse_sched('0' .. tail)); nil when the tokens
+-- break parse_sched's rule. With varied lengths nearly every entry differs, and a
+-- pattern match of the whole costs more than the rest of reading it.
+local function split_entry(raw)
+  local colon = string.find(raw, ':', 1, true)
+  local estimated = string.byte(raw, 1) == 126  -- '~'
+  local tokens = colon and string.sub(raw, estimated and 2 or 1, colon - 1)
+  if tokens and #tokens <= 8 and string.find(tokens, '^%d+$') then
+    return tokens, estimated, string.sub(raw, colon)
+  end
+  return nil
+end
+
 -- How long a worker waits before asking a paused queue again (an enqueue wakes it sooner).
 local PAUSED_WAIT_MS = 1000
 
@@ -285,12 +300,9 @@ local function fair_list(K, ids)
   local joined, head_of, members = {}, {}, {}
   local scheds = hmget_chunked(K.sched, ids)
   for i, id in ipairs(ids) do
-    local raw = scheds[i] or ''
-    local colon = string.find(raw, ':', 1, true)
-    local tokens = colon and string.sub(raw, string.byte(raw, 1) == 126 and 2 or 1, colon - 1)
-    local head = false  -- (parse_sched's rule for the tokens: 1 to 8 digits)
-    if tokens and #tokens >= 1 and #tokens <= 8 and not string.find(tokens, '%D') then
-      local tail = string.sub(raw, colon)
+    local tokens, _, tail = split_entry(scheds[i] or '')
+    local head = false
+    if tokens then
       head = head_of[tail]
       if head == nil then
         local s = parse_sched('0' .. tail)
@@ -348,7 +360,7 @@ end
 -- Switch the queue to listing (see FAIR_MODE): the backlog's tenants join fair_tenants as
 -- it is listed (each at its own counter, or its class's least backlogged one: fair_join;
 -- the sole tenant is there already), the first step taken now.
-local function fair_list_all(K)
+local function fair_start_listing(K)
   local state = fair_mode(K)
   state.listed, state.complete, state.sole, state.from = true, false, nil, '-inf'
   fair_list_step(K)
@@ -371,7 +383,7 @@ local function fair_listing(K, tenant, alone)
     state.sole = tenant
     return false
   end
-  fair_list_all(K)
+  fair_start_listing(K)
   return true
 end
 

@@ -136,11 +136,8 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   return reply
 end
 
--- A sched entry is its tokens ("~N" while estimated) and a tail that the requests of one
--- enqueue call share (":expire:enqueued:rank:class:client:tenant"). With varied lengths
--- nearly every entry differs from the next, so a claim splits the tokens off each entry
--- (a plain find) and matches each distinct tail once: a pattern match costs more than the
--- rest of a candidate's handling. read_entry(raw): {estimated, tokens text, tail, the
+-- A candidate's entry split off its tail (_common.lua split_entry), each distinct tail
+-- matched once per claim. read_entry(raw): {estimated, tokens text, tail, the
 -- tail's fields}, the tail's fields {expire ms, enqueued ms, class delay ms, the exact
 -- entries built from it by count}; NOT_AN_ENTRY (no fields) for what cannot be read.
 local NOT_AN_ENTRY = {}
@@ -152,12 +149,9 @@ local function count_in(tokens)
   return c
 end
 local function read_entry(raw)
-  local colon = string.find(raw, ':', 1, true)
-  local is_estimated = string.byte(raw, 1) == 126  -- '~'
-  local tokens = colon and string.sub(raw, is_estimated and 2 or 1, colon - 1)
+  local tokens, is_estimated, tail = split_entry(raw)
   local e = NOT_AN_ENTRY
-  if tokens and #tokens <= 8 and string.find(tokens, '^%d+$') then  -- (parse_sched's rule)
-    local tail = string.sub(raw, colon)
+  if tokens then
     local t = tail_of[tail]
     if t == nil then  -- the tail read once, by the one rule (parse_sched)
       local s = parse_sched('0' .. tail)
