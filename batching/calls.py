@@ -227,15 +227,13 @@ def parse_claim(reply: list[Any], token: str) -> ClaimReply:
     if len(reply) == 3:  # nothing leased
         return ClaimReply(now_ms, wait_ms)
     head = int(reply[3])  # the rank the batch was chosen against
-    m = int(reply[-1])  # the requests priced ahead, last: their ids, then their payloads
-    n = (len(reply) - 5 - 2 * m) // 4
-    ids, payloads = reply[4:4 + n], reply[4 + n:4 + 2 * n]
-    scheds, failures = reply[4 + 2 * n:4 + 3 * n], reply[4 + 3 * n:4 + 4 * n]
-    claimed = [Claimed.decode(i, p, s, f, token, head)
-               for i, p, s, f in zip(ids, payloads, scheds, failures)]
-    ahead = reply[4 + 4 * n:-1]
+    # each list an array of the reply; attempts empty when no request has failed
+    ids, payloads, scheds, failures, ahead, ahead_payloads = reply[4:10]
+    claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
+               in zip(ids, payloads, scheds, failures or [None] * len(ids), strict=True)]
+    priced_ahead = zip(ahead, ahead_payloads, strict=True)
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
-                      price_ahead=[(i, stored_input(p)) for i, p in zip(ahead[:m], ahead[m:])])
+                      price_ahead=[(i, stored_input(p)) for i, p in priced_ahead])
 
 
 def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],

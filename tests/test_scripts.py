@@ -303,6 +303,25 @@ def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> Non
     assert plain.batch == [] and plain.price_ahead == []
 
 
+def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(queue: RequestQueue) -> None:
+    """The requests handed ahead come with their payloads, in line order; one pending
+    whose payload is gone (damaged in Redis) is left out of them, not handed over empty,
+    and a later claim leases it marked invalid, to be failed alone."""
+    queue.enqueue(requests(*"abcdef"))
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    queue.client.hdel(queue.keys.requests, "r3")
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in priced.to_price])
+    assert [r.id for r in first.batch] == ["r0", "r1"]
+    assert first.price_ahead == [("r2", "c")]
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True, counts=[("r2", 1)])
+    assert second.to_price[0] == ("r3", None)  # still estimated: priced, with no input
+    third = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[("r2", 1), *((i, 1) for i, _ in second.to_price)])
+    assert [(r.id, r.input, r.invalid is None) for r in third.batch] == [("r2", "c", True),
+                                                                         ("r3", None, False)]
+
+
 def test_what_a_claim_prices_ahead_follows_what_its_candidates_were(queue: RequestQueue) -> None:
     """All of a claim's candidates estimated: the next batch's worth is handed ahead as it
     stands (an exact one among them is counted again, and that count ignored); a mix:

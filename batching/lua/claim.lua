@@ -28,9 +28,9 @@
 --         claim handed it to price. The claim chooses on them, and writes to sched those
 --         of the ones it does not take, still marked estimated (the ones it leases are
 --         counted again by their worker, and again if they come back for a retry).
--- Returns {now_ms, wait_ms, n_expired, head_rank, ids..., payloads..., scheds...,
---   attempts..., ahead_ids..., ahead_payloads..., n_ahead} when it leased something, with
---   n = #ids and n_ahead = #ahead_ids. head_rank: the rank of the most urgent pending
+-- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {payloads}, {scheds},
+--   {attempts}, {ahead_ids}, {ahead_payloads}} when it leased something, each list an
+--   array of the reply ({attempts} empty when no request has failed). head_rank: the rank of the most urgent pending
 --   request when the batch was chosen (a request ranked before it later is more urgent
 --   than anything then). ahead: with ARGV[7] = 1, requests next in line to count (the
 --   next batch's candidates, when this batch's were estimated: see "priced ahead"
@@ -107,33 +107,25 @@ local function rate_charge(tenant, tokens)
   end
 end
 
--- The reply: {now, wait, n_expired, ids, payloads, scheds, attempts} for out_ids, the
--- expired ones first; scheds: their entries when the caller holds them already.
--- (attempts are read only when some request has failed: HLEN, once per claim)
+-- The reply: {now, wait, n_expired, head_rank, ids, payloads, scheds, attempts, ahead ids,
+-- ahead payloads} for out_ids, the expired ones first; scheds: their entries when the
+-- caller holds them already. Each list is an array of the reply (nested), as the HMGET
+-- that read it returned it: no value is copied into a flat reply per request.
+-- (attempts are read only when some request has failed: HLEN, once per claim; else {})
 local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   local n = #out_ids
   if n == 0 then return {now, wait, 0} end
-  local reply, r = {now, wait, n_expired, head_rank or 0}, 4
-  for i = 1, n do reply[r + i] = out_ids[i] end
-  r = r + n
   local failed = rcall('HLEN', K.attempts) > 0
-  for _, values in ipairs({rcall('HMGET', K.requests, unpack(out_ids)),
-                           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
-                           failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}}) do
-    for i = 1, n do reply[r + i] = values[i] or false end
-    r = r + n
-  end
-  -- the ones priced ahead: ids, then payloads (an id pending without a payload is left out)
-  local m, payloads = 0, (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
+  -- the ones priced ahead: an id pending without a payload is left out
+  local ahead_ids, payloads = {}, (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
+  local m = 0
   for i, payload in ipairs(payloads) do
-    if payload then m = m + 1; reply[r + m] = ahead[i] end
+    if payload then m = m + 1; ahead_ids[m] = ahead[i]; payloads[m] = payload end
   end
-  r = r + m
-  for _, payload in ipairs(payloads) do
-    if payload then r = r + 1; reply[r] = payload end
-  end
-  reply[r + 1] = m
-  return reply
+  for i = m + 1, #payloads do payloads[i] = nil end
+  return {now, wait, n_expired, head_rank or 0, out_ids, rcall('HMGET', K.requests, unpack(out_ids)),
+          scheds or rcall('HMGET', K.sched, unpack(out_ids)),
+          failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}, ahead_ids, payloads}
 end
 
 -- A candidate's entry split off its tail (_common.lua split_entry), each distinct tail

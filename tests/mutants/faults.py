@@ -210,6 +210,9 @@ FAULTS: tuple[Fault, ...] = (
           "batching/lua/claim.lua", "local read_on = not planned and not fair and #ids > window\n",
           "local read_on = false\n",
           (SCRIPTS + "test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first",)),
+    Fault("a request next in line without its payload is handed ahead with another's",
+          "batching/lua/claim.lua", "  for i = m + 1, #payloads do payloads[i] = nil end\n", "",
+          (SCRIPTS + "test_a_request_next_in_line_without_its_payload_is_not_priced_ahead",)),
     Fault("a pending request with an unreadable schedule entry is dropped", "batching/lua/claim.lua",
           "for _, list in ipairs({expired, unreadable, batch}) do",
           "for _, i in ipairs(unreadable) do rcall('ZREM', K.pending, ids[i]) end\n"
