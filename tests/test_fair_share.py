@@ -388,21 +388,23 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("enqueue"), st.sampled_from("abc"), st.integers(1, 6),
               st.sampled_from(["normal", "batch"])),
     st.tuples(st.just("claim"), st.integers(1, 5)),
-    st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete"])),
+    st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete", "revive"])),
     st.tuples(st.just("cancel"), st.integers(0, 10**6))), max_size=40)
 LISTING_RUNS = itertools.count()
 
 
-@given(OPS)
+@given(OPS, st.integers(1, 3))
 @settings(max_examples=examples(60), deadline=None)
-def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(redis_server: RedisServer,
-                                                            ops: list[tuple]) -> None:
+def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
+        redis_server: RedisServer, ops: list[tuple], attempts: int) -> None:
     """Enqueues of any tenants, claims, releases, failures retried (their backoff over),
-    leases lapsing (the reaper), cancels and commits, in any order: after each, the
-    sub-queues follow the rule of check_listing; drained, every request ran once or was
-    cancelled."""
+    leases lapsing (the reaper), dead letters revived, cancels and commits, in any order:
+    after each, the sub-queues follow the rule of check_listing; drained (the dead letters
+    revived first), every request ran once or was cancelled. The queue's max_attempts (1
+    to 3) sets how soon a failure or a lapse dead-letters."""
     conn = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(conn, f"listing-{next(LISTING_RUNS)}")
+    queue.update_settings(max_attempts=attempts)
     made: list[str] = []
     held: list[Any] = []
     done, cancelled, dead = set(), set(), set()
@@ -438,6 +440,9 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(redis_server: RedisS
         elif op[0] == "complete" and held:
             finish(held)
             held = []
+        elif op[0] == "revive" and dead:  # `batchery queue dead retry --all`: pending again
+            assert queue.revive(everything=True) == len(dead)
+            dead.clear()
         elif op[0] == "cancel" and made:
             victim = made[op[1] % len(made)]
             if queue.cancel([victim])[0] in (Cancelled.QUEUED, Cancelled.RUNNING):
@@ -446,9 +451,11 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(redis_server: RedisS
     finish(held)
     for i in conn.zrange(queue.keys.delayed, 0, -1):
         conn.zadd(queue.keys.delayed, {i: 0})
+    assert queue.revive(everything=True) == len(dead)  # the dead run too, once revived
+    check_listing(queue)
     while batch := queue.claim(f"w#drain{len(done)}", 8, 10**6, 0, 64).batch:
         finish(batch)
         check_listing(queue)
-    lost = set(made) - done - cancelled - dead
+    lost = set(made) - done - cancelled
     assert not lost, lost
     conn.close()

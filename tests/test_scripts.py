@@ -303,7 +303,8 @@ def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> Non
     assert plain.batch == [] and plain.price_ahead == []
 
 
-def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(queue: RequestQueue) -> None:
+def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(
+        queue: RequestQueue) -> None:
     """The requests handed ahead come with their payloads, in line order; one pending
     whose payload is gone (damaged in Redis) is left out of them, not handed over empty,
     and a later claim leases it marked invalid, to be failed alone."""
