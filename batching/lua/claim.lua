@@ -30,14 +30,14 @@
 --         counted again by their worker, and again if they come back for a retry).
 -- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {payloads}, {scheds},
 --   {attempts}, {ahead_ids}, {ahead_payloads}} when it leased something, each list an
---   array of the reply ({attempts} empty when no request has failed). head_rank: the rank of the most urgent pending
---   request when the batch was chosen (a request ranked before it later is more urgent
---   than anything then). ahead: with ARGV[7] = 1, requests next in line to count (the
---   next batch's candidates, when this batch's were estimated: see "priced ahead"
---   below), handed to the worker to count while this batch runs and to send with its
---   next claim, which then needs no pricing round (a round trip per batch saved). The
---   first n_expired ids are past their deadline (leased so the worker records them as
---   expired; never run). wait_ms > 0: the head is held that
+--   array of the reply ({attempts} empty when no request has failed). head_rank: the
+--   rank of the most urgent pending request when the batch was chosen (a request ranked
+--   before it later is more urgent than anything then). ahead: with ARGV[7] = 1,
+--   requests next in line to count (the next batch's candidates, when this batch's were
+--   estimated: see "priced ahead" below), handed to the worker to count while this batch
+--   runs and to send with its next claim, which then needs no pricing round (a round trip
+--   per batch saved). The first n_expired ids are past their deadline (leased so the
+--   worker records them as expired; never run). wait_ms > 0: the head is held that
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
@@ -117,13 +117,14 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   if n == 0 then return {now, wait, 0} end
   local failed = rcall('HLEN', K.attempts) > 0
   -- the ones priced ahead: an id pending without a payload is left out
-  local ahead_ids, payloads = {}, (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
-  local m = 0
+  local payloads = (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
+  local ahead_ids, m = {}, 0
   for i, payload in ipairs(payloads) do
     if payload then m = m + 1; ahead_ids[m] = ahead[i]; payloads[m] = payload end
   end
   for i = m + 1, #payloads do payloads[i] = nil end
-  return {now, wait, n_expired, head_rank or 0, out_ids, rcall('HMGET', K.requests, unpack(out_ids)),
+  return {now, wait, n_expired, head_rank or 0, out_ids,
+          rcall('HMGET', K.requests, unpack(out_ids)),
           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
           failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}, ahead_ids, payloads}
 end
