@@ -30,6 +30,9 @@ def check_queue_name(name: str) -> str:
     return name
 
 
+# vtc's field holding the queue's sub-queue mode: "listed", "sole\tTENANT" or
+# "listing\tRANK" (none: listed when `fair` holds anything); lua/_common.lua FAIR_MODE
+FAIR_MODE_FIELD = "\tmode"
 SHARD_MARK = "~"  # never in a queue name (QUEUE_NAME), so a shard's tag is no queue's
 
 
@@ -120,7 +123,8 @@ class Keys:
     @property
     def vtc(self) -> str:
         """HASH "class\ttenant" -> virtual token counter (tokens served / weight);
-        "class\t" -> the class's floor, the counter a tenant back from idle starts at."""
+        "class\t" -> the class's floor, the counter a tenant back from idle starts at;
+        FAIR_MODE_FIELD -> whether the queue keeps its sub-queues (docs/fair-share.md)."""
         return self._key("vtc")
 
     @property

@@ -17,6 +17,7 @@ import time
 
 import redis
 
+from batchery.batching.keys import FAIR_MODE_FIELD
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
 from bench import common
@@ -34,7 +35,7 @@ def switch(url: str, backlog: int) -> dict[str, float]:
                        for i in range(lo, min(backlog, lo + CALL))])
     assert conn.zcard(queue.keys.fair) == 0, "a sole tenant's backlog was listed"
     calls, longest, cpu = 0, 0.0, common.cpu_seconds(pid)
-    while conn.hget(queue.keys.vtc, "\tmode") != "listed":
+    while conn.hget(queue.keys.vtc, FAIR_MODE_FIELD) != "listed":
         start = time.perf_counter()
         queue.enqueue([Request(id=f"b{calls}", input=calls, tenant="b")])
         longest, calls = max(longest, time.perf_counter() - start), calls + 1

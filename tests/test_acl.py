@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from batchery import Client
+from batchery.batching.keys import FAIR_MODE_FIELD
 from batchery.batching.queue import RequestQueue
 from tests.conftest import (ROOT, RedisServer, newest_redis_server, run_cli, start_worker,
                             stop_process, wait_for)
@@ -67,7 +68,7 @@ def test_a_producer_and_a_worker_user_run_a_queue(acl_redis: RedisServer, queue_
             # a second tenant's work beside the first's: the producer lists the backlog
             handles = [*client.enqueue_many([{"input": i, "tenant": "a"} for i in range(5)]),
                        *client.enqueue_many([{"input": 9, "tenant": "b"}])]
-            assert client.queue.client.hget(client.queue.keys.vtc, "\tmode") == "listed"
+            assert client.queue.client.hget(client.queue.keys.vtc, FAIR_MODE_FIELD) == "listed"
             assert all(h.cancel() for h in handles)
     finally:
         assert stop_process(worker) == 0

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from batchery.batching.calls import Cancelled, Failed
 from batchery.batching.messages import Result
+from batchery.batching.keys import FAIR_MODE_FIELD
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
 from tests.conftest import RedisServer, examples, wait_for
@@ -228,7 +229,7 @@ def listing(queue: RequestQueue) -> dict[str, Any]:
     tenant) pairs."""
     c, k = queue.client, queue.keys
     pending = c.zrange(k.pending, 0, -1)
-    return {"mode": c.hget(k.vtc, "\tmode"),
+    return {"mode": c.hget(k.vtc, FAIR_MODE_FIELD),
             "members": {m.split("\t")[3]: m for m in c.zrange(k.fair, 0, -1)},
             "pending": dict(zip(pending, c.hmget(k.sched, pending) if pending else [])),
             "tenants": {tuple(m.split("\t")[::2]) for m in c.zrange(k.fair_tenants, 0, -1)}}
