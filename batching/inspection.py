@@ -157,8 +157,10 @@ class QueueInspection:
         """What this shard holds: pending, delayed, in flight, dead (one round trip)."""
         k = self.keys
         pipe = self.client.pipeline(transaction=False)
-        for key in (k.pending, k.delayed, k.leased, k.dead):
-            pipe.zcard(key)
+        pipe.zcard(k.pending)
+        pipe.zcard(k.delayed)
+        pipe.hlen(k.owner)
+        pipe.zcard(k.dead)
         return dict(zip(("pending", "delayed", "inflight", "dead"), pipe.execute()))
 
     def stats(self, workers: bool = True) -> dict[str, Any]:
@@ -169,7 +171,7 @@ class QueueInspection:
         pipe.zcard(k.pending)
         pipe.zcard(k.delayed)
         pipe.hgetall(k.depth)
-        pipe.zcard(k.leased)
+        pipe.hlen(k.owner)
         pipe.zcard(k.dead)
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
@@ -213,7 +215,7 @@ class QueueInspection:
     def tenant_inflight(self) -> dict[str, int]:
         """Requests in flight (leased) per tenant: O(in flight), which the workers' batch
         sizes bound, read from the leases and their sched entries."""
-        ids = self.client.zrange(self.keys.leased, 0, -1)
+        ids = [i for i, _ in self.client.hscan_iter(self.keys.owner, count=INFLIGHT_CHUNK)]
         counts: dict[str, int] = {}
         for start in range(0, len(ids), INFLIGHT_CHUNK):
             for raw in self.client.hmget(self.keys.sched, ids[start:start + INFLIGHT_CHUNK]):

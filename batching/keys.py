@@ -157,8 +157,21 @@ class Keys:
         return self._key("history")
 
     @property
+    def lease_expiry(self) -> str:
+        """ZSET lease token -> ms its lease expires: one entry per claim that leased
+        requests, until they are all committed, failed, released, cancelled or reaped."""
+        return self._key("lease_expiry")
+
+    @property
+    def lease_ids(self) -> str:
+        """HASH lease token -> the ids its claim leased, newline-separated (ids hold no
+        control character); which of them the claim still holds is ``owner``'s to say."""
+        return self._key("lease_ids")
+
+    @property
     def leased(self) -> str:
-        """ZSET id -> lease expiry ms, for every claimed request."""
+        """ZSET id -> lease expiry ms, one entry per request: the lease of versions before
+        per-claim leases (``lease_expiry``), which the reaper still takes back."""
         return self._key("leased")
 
     @property

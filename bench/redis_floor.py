@@ -3,9 +3,10 @@ today's data layout, alone, without the scripts' logic; beside the scripts thems
 
 Each command the scripts run for a request (enqueue: look for its result, check it is not
 held, add it to pending, store its body and its schedule entry; claim: read the head and
-its schedule entries, take it from pending, lease it, record the lease's owner, read its
-body and attempts; complete: check the owner, store the result with its TTL, push it to
-the client's reply list, forget body, schedule entry, attempts, history, owner and lease;
+its schedule entries, take it from pending, record the lease's owner, lease its claim of
+64 (the ids and one expiry), read its body and attempts; complete: check the owner, store
+the result with its TTL, push it to the client's reply list, forget body, schedule entry,
+attempts, history and owner, end its claim's lease;
 delivery: pop the reply, delete the result) runs from Lua, variadic over 1,000 requests
 as the scripts call it (the result's SET once per request), one command per call, with
 redis-server's CPU time (INFO cpu) read around it; a call that only builds the ids is
@@ -41,6 +42,10 @@ PAIRS = ("local function pairs_of(value)\n  local out = {}\n"
 # queue's Keys, ARGV[3] a request body, ARGV[4] its schedule entry, ARGV[5] a result
 K = Keys("floor")
 RESULTS = (f"local keys = {{}}\nfor i = 1, n do keys[i] = '{K.result_prefix}' .. ids[i] end\n")
+CLAIM = 64  # requests a claim leases with the defaults (WorkerOptions.max_batch_size)
+# each claim of CLAIM ids in turn, its lease token `token` (the loop's end is the step's)
+CLAIMS = (f"local CLAIM = {CLAIM}\nfor c = 1, n, CLAIM do\n"
+          "local token = 'worker-1#' .. (base + c)\n")
 
 
 def _hset(key: str, value: str) -> str:
@@ -57,8 +62,10 @@ STEPS: list[tuple[str, str, str, str]] = [
     ("claim", "ZRANGE", "pending: the head", f"redis.call('ZRANGE', '{K.pending}', 0, n - 1)"),
     ("claim", "HMGET", "sched: the candidates' entries", f"redis.call('HMGET', '{K.sched}', unpack(ids))"),
     ("claim", "ZREM", "pending: taken", f"redis.call('ZREM', '{K.pending}', unpack(ids))"),
-    ("claim", "ZADD", "leased: its lease expiry", f"redis.call('ZADD', '{K.leased}', unpack(pairs_of(function(i) return base + i end)))"),
     ("claim", "HSET", "owner: the lease token", _hset(K.owner, "'worker-1#1'")),
+    ("claim", "HSET, ZADD", "its claim's lease (one per 64)", CLAIMS + (
+        f"redis.call('HSET', '{K.lease_ids}', token, table.concat(ids, '\\n', c, math.min(n, c + CLAIM - 1)))\n"
+        f"redis.call('ZADD', '{K.lease_expiry}', base, token) end")),
     ("claim", "HMGET", "requests: its body", f"return redis.call('HMGET', '{K.requests}', unpack(ids))"),
     ("claim", "HMGET", "attempts", f"return redis.call('HMGET', '{K.attempts}', unpack(ids))"),
     ("complete", "HMGET", "owner: still the lease holder", f"redis.call('HMGET', '{K.owner}', unpack(ids))"),
@@ -68,7 +75,9 @@ STEPS: list[tuple[str, str, str, str]] = [
     ("complete", "HDEL", "sched", f"redis.call('HDEL', '{K.sched}', unpack(ids))"),
     ("complete", "HDEL", "attempts, history, owner", "\n".join(
         f"redis.call('HDEL', '{key}', unpack(ids))" for key in (K.attempts, K.history, K.owner))),
-    ("complete", "ZREM", "leased", f"redis.call('ZREM', '{K.leased}', unpack(ids))"),
+    ("complete", "HGET, HDEL, ZREM", "its claim's lease ended (one per 64)", CLAIMS + (
+        f"redis.call('HGET', '{K.lease_ids}', token)\nredis.call('HDEL', '{K.lease_ids}', token)\n"
+        f"redis.call('ZREM', '{K.lease_expiry}', token) end")),
     ("delivery", "LPOP", "the client's reply list", f"return redis.call('LPOP', '{K.reply('c')}', n)"),
     ("delivery", "DEL", "its result, delivered", RESULTS + "redis.call('DEL', unpack(keys))"),
 ]
@@ -95,7 +104,7 @@ def floor(url: str, n: int) -> list[float]:
     for key in (K.requests, K.sched, K.owner, K.attempts, K.history):
         conn.hset(key, mapping=dict.fromkeys(backlog, "1"))
     conn.zadd(K.pending, backlog)
-    conn.zadd(K.leased, backlog)
+    conn.zadd(K.lease_expiry, {f"backlog#{i}": 1e12 + i for i in range(0, BACKLOG, CLAIM)})
     base_sha = conn.script_load(IDS + PAIRS + "return 1")
     shas = [conn.script_load(IDS + PAIRS + lua) for _, _, _, lua in STEPS]
     spent = [0.0] * len(STEPS)

@@ -332,7 +332,7 @@ def test_another_tenants_request_back_in_pending_lists_the_queue(queue: RequestQ
     if back == "release":
         queue.release([(r.id, r.lease_token)])
     elif back == "reaper":
-        queue.client.zadd(queue.keys.leased, {r.id: 0})  # its lease lapsed
+        queue.client.zadd(queue.keys.lease_expiry, {r.lease_token: 0})  # its lease lapsed
         assert queue.reap().requeued == [r.id]
     else:
         queue.fail([(r.id, r.lease_token, Result(id=r.id, status="dead", error={
@@ -385,11 +385,27 @@ def test_the_switch_lists_what_it_can_read(queue: RequestQueue) -> None:
     assert handed == set(damaged)
 
 
+def check_leases(queue: RequestQueue) -> None:
+    """The leases, one per claim, whatever came before: each held request (owner) is in
+    its claim's lease record, and each record holds at least one request still held by
+    its claim and has an expiry (none is left behind: the reaper would never end it, and
+    a lapsed one would hold nothing back)."""
+    conn, k = queue.client, queue.keys
+    owners = conn.hgetall(k.owner)
+    records = {token: set(ids.split("\n")) for token, ids in conn.hgetall(k.lease_ids).items()}
+    assert set(conn.zrange(k.lease_expiry, 0, -1)) == set(records)
+    for request_id, token in owners.items():
+        assert request_id in records.get(token, ()), (request_id, token, records)
+    for token, ids in records.items():
+        assert any(owners.get(i) == token for i in ids), (token, ids, owners)
+
+
 OPS = st.lists(st.one_of(
     st.tuples(st.just("enqueue"), st.sampled_from("abc"), st.integers(1, 6),
               st.sampled_from(["normal", "batch"])),
     st.tuples(st.just("claim"), st.integers(1, 5)),
-    st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete", "revive"])),
+    st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete", "complete_one",
+                               "revive"])),
     st.tuples(st.just("cancel"), st.integers(0, 10**6))), max_size=40)
 LISTING_RUNS = itertools.count()
 
@@ -399,10 +415,12 @@ LISTING_RUNS = itertools.count()
 def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
         redis_server: RedisServer, ops: list[tuple], attempts: int) -> None:
     """Enqueues of any tenants, claims, releases, failures retried (their backoff over),
-    leases lapsing (the reaper), dead letters revived, cancels and commits, in any order:
-    after each, the sub-queues follow the rule of check_listing; drained (the dead letters
-    revived first), every request ran once or was cancelled. The queue's max_attempts (1
-    to 3) sets how soon a failure or a lapse dead-letters."""
+    leases lapsing (the reaper), dead letters revived, cancels and commits (of part of a
+    claim too), in any order:
+    after each, the sub-queues follow the rule of check_listing and the leases that of
+    check_leases; drained (the dead letters revived first), every request ran once or was
+    cancelled, and no lease is left. The queue's max_attempts (1 to 3) sets how soon a
+    failure or a lapse dead-letters."""
     conn = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(conn, f"listing-{next(LISTING_RUNS)}")
     queue.update_settings(max_attempts=attempts)
@@ -435,12 +453,14 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
                 conn.zadd(queue.keys.delayed, {i: 0})
             held += queue.claim(f"w#due{n}", 1, 10**6, 0, 64).batch
         elif op[0] == "lapse" and held:  # the leases expire: the reaper takes them back
-            conn.zadd(queue.keys.leased, {r.id: 0 for r in held})
+            conn.zadd(queue.keys.lease_expiry, {r.lease_token: 0 for r in held}, xx=True)
             dead.update(queue.reap().dead)  # (a third lapse dead-letters it)
             held = []
         elif op[0] == "complete" and held:
             finish(held)
             held = []
+        elif op[0] == "complete_one" and held:  # a part of a claim: its lease holds the rest
+            finish([held.pop(0)])
         elif op[0] == "revive" and dead:  # `batchery queue dead retry --all`: pending again
             assert queue.revive(everything=True) == len(dead)
             dead.clear()
@@ -449,6 +469,7 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
             if queue.cancel([victim])[0] in (Cancelled.QUEUED, Cancelled.RUNNING):
                 cancelled.add(victim)
         check_listing(queue)
+        check_leases(queue)
     finish(held)
     for i in conn.zrange(queue.keys.delayed, 0, -1):
         conn.zadd(queue.keys.delayed, {i: 0})
@@ -457,6 +478,8 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
     while batch := queue.claim(f"w#drain{len(done)}", 8, 10**6, 0, 64).batch:
         finish(batch)
         check_listing(queue)
+        check_leases(queue)
     lost = set(made) - done - cancelled
     assert not lost, lost
+    assert not conn.hlen(queue.keys.owner) and not conn.hlen(queue.keys.lease_ids)
     conn.close()

@@ -37,7 +37,7 @@ def fair_state(conn: redis.Redis, queue: RequestQueue) -> dict[str, Any]:
             "depth": conn.hgetall(k.depth), "sched": conn.hgetall(k.sched),
             **{name: conn.zrange(key, 0, -1, withscores=True)
                for name, key in (("fair", k.fair), ("fair_tenants", k.fair_tenants),
-                                 ("pending", k.pending), ("leased", k.leased))}}
+                                 ("pending", k.pending), ("leases", k.lease_expiry))}}
 
 
 def served(conn: redis.Redis, queue: RequestQueue) -> dict[str, int]:
@@ -62,7 +62,7 @@ def test_counters_and_places_survive_an_aof_restart_and_a_worker_kill(queue_name
         wait_for(lambda: served(conn, queue).get("a", 0) >= 100 * TOKENS, 60,
                  message="a to be served 100 requests")
         stop_process(proc, signal.SIGKILL)  # mid-batch: its leases are left behind
-        held = [i for i, _ in conn.zrange(queue.keys.leased, 0, -1, withscores=True)]
+        held = conn.hkeys(queue.keys.owner)
         before = fair_state(conn, queue)
         assert before["vtc"] and before["fair_tenants"] and before["pending"]
         conn.close()
@@ -74,7 +74,7 @@ def test_counters_and_places_survive_an_aof_restart_and_a_worker_kill(queue_name
 
         # the killed worker's batch comes back to its place: its rank, its sub-queue
         assert held  # (a worker busy with 30 ms batches, claiming the next one ahead)
-        wait_for(lambda: queue.reap() and not conn.zcard(queue.keys.leased), 10,
+        wait_for(lambda: queue.reap() and not conn.zcard(queue.keys.lease_expiry), 10,
                  message="the killed worker's leases to lapse")
         ranks = dict(before["sched"])
         members = {m.split("\t")[3]: m for m in conn.zrange(queue.keys.fair, 0, -1)}

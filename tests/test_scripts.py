@@ -104,7 +104,7 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
     claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
 
     def expiries() -> list[float]:
-        return [queue.client.zscore(queue.keys.leased, r.id) for r in claimed]
+        return [queue.client.zscore(queue.keys.lease_expiry, r.lease_token) for r in claimed]
     first = expiries()
     for _ in range(3):  # renewed each time half a lease has passed
         previous = expiries()
@@ -115,6 +115,49 @@ def test_renew_keeps_leases_and_reports_lost_ones(queue: RequestQueue) -> None:
     assert server_ms(queue) > max(first)  # without the renewals these leases had expired
     assert queue.reap() == Reaped()
     assert queue.renew("w", [("r0", "someone-else")]) == ["r0"]
+
+
+def test_a_claim_is_one_lease_that_ends_with_its_last_request(queue: RequestQueue) -> None:
+    """A claim leases its batch as one lease (its ids, one expiry): a commit of part of it
+    keeps the lease for the rest; once that lapses the reaper takes back the rest alone
+    (not what was committed, cancelled, or given back and claimed by another), and
+    nothing of a lease is left once its last request is done."""
+    queue.update_settings(max_attempts=3)
+    queue.enqueue(requests("a", "b", "c", "d"), "c")
+    claimed = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    k, conn = queue.keys, queue.client
+    assert conn.hget(k.lease_ids, "w#1") == "r0\nr1\nr2\nr3"
+    assert conn.zrange(k.lease_expiry, 0, -1) == ["w#1"]
+    assert ok(queue, claimed[:1]) == [True]
+    assert queue.cancel(["r1"]) == [2]  # running: cancelled
+    assert conn.zrange(k.lease_expiry, 0, -1) == ["w#1"]  # r2 and r3 still held by it
+    conn.zadd(k.lease_expiry, {"w#1": 0})  # it lapses
+    assert queue.reap().requeued == ["r2", "r3"]
+    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry) and not conn.hlen(k.owner)
+    again = queue.claim("w#2", 10, 10_000, 0, 10).batch
+    assert [(r.id, r.attempt) for r in again] == [("r2", 2), ("r3", 2)]
+    # r2 given back and claimed by another: its first claim's lapse leaves it to that one
+    assert queue.release([("r2", "w#2")]) == 1
+    assert [r.id for r in queue.claim("w#3", 10, 10_000, 0, 10).batch] == ["r2"]
+    conn.zadd(k.lease_expiry, {"w#2": 0})
+    assert queue.reap().requeued == ["r3"] and conn.hget(k.owner, "r2") == "w#3"
+    last = queue.claim("w#4", 10, 10_000, 0, 10).batch
+    assert ok(queue, last) == [True]  # the whole claim committed: its lease ends
+    assert conn.zrange(k.lease_expiry, 0, -1) == ["w#3"]
+    assert queue.complete([("r2", "w#3", Result("r2", "ok", "out").to_json())], {}) == [True]
+    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry) and not conn.hlen(k.owner)
+
+
+def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue) -> None:
+    """A request leased by a version that kept one lease per request (its expiry in the
+    `leased` set, no lease of its claim) still comes back when that lease lapses."""
+    queue.enqueue(requests("a", "b"), "c")
+    claimed = queue.claim("w#1", 1, 10_000, 0, 10).batch
+    k, conn = queue.keys, queue.client
+    conn.delete(k.lease_ids, k.lease_expiry)  # as the earlier version left it:
+    conn.zadd(k.leased, {claimed[0].id: 0})  # its expiry per request, lapsed
+    assert queue.reap().requeued == [claimed[0].id] and not conn.zcard(k.leased)
+    assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["r0", "r1"]
 
 
 def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) -> None:

@@ -46,7 +46,7 @@ end
 
 -- Redis keeps a small hash or sorted set as one flat list (a listpack: up to 512 hash
 -- fields or 128 set members of at most 64 bytes, its defaults) and finds a member by
--- scanning it. A queue's per-request keys (requests, sched, owner; pending, fair, leased)
+-- scanning it. A queue's per-request keys (requests, sched, owner; pending, fair)
 -- hold a few hundred entries while the workers keep up, so each request's reads and
 -- writes there scanned hundreds of entries: about half of redis-server's time per request
 -- (bench/redis_time.py). One value over the flat list's limit turns the key into a hash
@@ -535,5 +535,34 @@ local function forget(keys, ids, seldom)
     if not seldom or rcall('HLEN', key) > 0 then call_chunked('HDEL', key, ids) end
   end
   call_chunked('HDEL', keys.owner, ids)
-  call_chunked('ZREM', keys.leased, ids)
+end
+
+-- Leases are kept per claim, not per request: lease_ids holds the ids each claim leased
+-- under its lease token, lease_expiry when that lease lapses (its worker's heartbeat
+-- renews it); owner says which token holds each id now. A claim's two entries go once it
+-- holds none of its ids: at the commit that ends them all (the common case), else at the
+-- fail, release or cancel that ends the last one (lease_settle), or at the reap.
+local function lease_ids_of(K, token)  -- the ids a claim leased, in its order ({}: none)
+  local ids, n = {}, 0
+  for id in string.gmatch(rcall('HGET', K.lease_ids, token) or '', '[^\n]+') do
+    n = n + 1
+    ids[n] = id
+  end
+  return ids
+end
+local function lease_end(K, token)
+  rcall('HDEL', K.lease_ids, token)
+  rcall('ZREM', K.lease_expiry, token)
+end
+-- End the leases of `tokens` (token -> true) that hold none of their ids any more.
+local function lease_settle(K, tokens)
+  for token in pairs(tokens) do
+    local ids, held = lease_ids_of(K, token), false
+    if #ids > 0 then
+      for _, owner in ipairs(hmget_chunked(K.owner, ids)) do
+        if owner == token then held = true; break end
+      end
+    end
+    if not held then lease_end(K, token) end
+  end
 end

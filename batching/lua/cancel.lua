@@ -1,7 +1,7 @@
 -- cancel: cancel requests by id; queued ones never run, running ones are discarded.
--- K.pending  K.delayed  K.leased  K.owner  K.requests
+-- K.pending  K.delayed  K.lease_expiry  K.owner  K.requests
 -- K.sched    K.attempts K.settings K.depth  K.stats
--- K.history  K.fair  K.fair_tenants  K.vtc
+-- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
 -- KEYS[FIXED+1..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
 --   then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
@@ -18,7 +18,7 @@
 local CANCELLED_LEASE_S = 60
 local result_prefix, reply_prefix, cancelled_prefix = ARGV[1], ARGV[2], ARGV[4]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
-local flags, counts, gone = {}, {}, {}
+local flags, counts, gone, tokens = {}, {}, {}, {}
 for i = 5, #ARGV, 2 do
   local id = ARGV[i]
   local flag = 0
@@ -33,6 +33,7 @@ for i = 5, #ARGV, 2 do
         local key = cancelled_prefix .. id
         if not DECLARED[key] then error('batchery: cancelled-lease key not declared: ' .. key) end
         rcall('SET', key, token, 'EX', CANCELLED_LEASE_S)
+        tokens[token] = true
       end
     end
   else
@@ -55,6 +56,7 @@ for i = 5, #ARGV, 2 do
 end
 if #gone > 0 then
   forget(K, gone)
+  lease_settle(K, tokens)
   rcall('HINCRBY', K.stats, 'cancelled', #gone)
 end
 add_depth(K.depth, counts)

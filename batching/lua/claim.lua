@@ -4,7 +4,8 @@
 -- K.sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
 -- K.requests   HASH id -> request JSON
 -- K.attempts   HASH id -> failed runs
--- K.leased     ZSET id -> lease expiry ms
+-- K.lease_ids  HASH lease token -> the ids its claim leased   K.lease_expiry  ZSET token ->
+--              ms its lease lapses (_common.lua lease_settle)
 -- K.owner      HASH id -> lease token
 -- K.settings   HASH
 -- K.depth      HASH class -> queued count
@@ -664,11 +665,10 @@ end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
-local out_ids, out_scheds, zargs, oargs, counts = {}, {}, {}, {}, {}
+local out_ids, out_scheds, oargs, counts = {}, {}, {}, {}
 for n, i in ipairs(take) do
   local id = ids[i]
   out_ids[n], out_scheds[n] = id, scheds[i]
-  zargs[2 * n - 1], zargs[2 * n] = expiry, id
   oargs[2 * n - 1], oargs[2 * n] = id, token
 end
 if n_unreadable == 0 then
@@ -686,13 +686,14 @@ else  -- the unreadable ones (after the expired) go without their entries, and u
   fair_settle(settle_ids, settle_scheds, n_expired, stale, counts)
 end
 call_chunked('ZREM', K.pending, out_ids)
--- none leased: the lease keys start again, in their wide encodings (ZRANGE: the worker's
--- ACL has no ZCARD)
-local wide = #rcall('ZRANGE', K.leased, 0, 0) == 0
-if wide then widen(true, {K.owner}, {K.leased}) end
-call_chunked('ZADD', K.leased, zargs)
+-- none leased: the owner hash starts again, in its wide encoding
+local wide = rcall('HLEN', K.owner) == 0
+if wide then widen(true, {K.owner}, {}) end
 call_chunked('HSET', K.owner, oargs)
-if wide then widen(false, {K.owner}, {K.leased}) end
+if wide then widen(false, {K.owner}, {}) end
+-- the lease, one for the batch: its ids and when it lapses
+rcall('HSET', K.lease_ids, token, table.concat(out_ids, '\n'))
+rcall('ZADD', K.lease_expiry, expiry, token)
 add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
                                     fmt_int(n_unreadable), table.concat(out_ids, '\n')}, '\n'),

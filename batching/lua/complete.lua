@@ -1,6 +1,6 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
--- K.requests  K.sched  K.attempts  K.leased  K.owner
--- K.settings  K.stats  K.history
+-- K.requests  K.sched  K.attempts  K.lease_expiry  K.owner
+-- K.settings  K.stats  K.history  K.lease_ids
 -- KEYS[FIXED+1..] the result key of each id (in ARGV's order), then the reply list of each
 --         client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
@@ -35,10 +35,13 @@ end
 local owners = rcall('HMGET', K.owner, unpack(ids))
 
 local done, flags, replies, replayed = {}, {}, {}, false
+local ended = {}  -- token -> the ids this call commits of its lease, in order
 local i, d = 0, 0
 a = 5
 while a <= n_args do
   local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  local mine = ended[token] or {}
+  ended[token] = mine
   local jsons = client ~= '' and (replies[client] or {}) or nil
   if jsons then replies[client] = jsons end
   a = a + 3
@@ -50,6 +53,7 @@ while a <= n_args do
       if jsons then jsons[#jsons + 1] = json end
       d = d + 1
       done[d] = ids[i]
+      mine[#mine + 1] = ids[i]
       flags[i] = 1
     elseif rcall('GET', key) == json then
       flags[i], replayed = 1, true
@@ -65,6 +69,19 @@ end
 declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
 push_replies(reply_prefix, replies, ttl)
 if #done > 0 then forget(K, done, true) end
+-- a lease whose ids this call commits, all in the claim's order (a batch committed in
+-- one call), ends with them; any other is settled by what it still holds
+local unsettled = {}
+for token, mine in pairs(ended) do
+  if #mine > 0 then
+    if rcall('HGET', K.lease_ids, token) == table.concat(mine, '\n') then
+      lease_end(K, token)
+    else
+      unsettled[token] = true
+    end
+  end
+end
+lease_settle(K, unsettled)
 if not replayed then
   for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
     rcall('HINCRBY', K.stats, name, v)

@@ -1,7 +1,7 @@
 -- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
--- K.requests  K.sched  K.attempts  K.leased  K.owner
+-- K.requests  K.sched  K.attempts  K.lease_expiry  K.owner
 -- K.delayed   K.dead   K.settings  K.depth   K.stats
--- K.history   K.call  STRING this call's reply, remembered (see Returns)
+-- K.history   K.call  STRING this call's reply, remembered (see Returns)   K.lease_ids
 -- KEYS[FIXED+1..] the result key of each id, then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
@@ -24,7 +24,7 @@ local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
 local base_ms, cap_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[7]))
 local now = now_ms()
-local flags, counts, retried, dead = {}, {}, 0, 0
+local flags, counts, retried, dead, tokens = {}, {}, 0, 0, {}
 for i = 1, (#ARGV - 7) / 3 do
   local base = 7 + (i - 1) * 3
   local id, token = ARGV[base + 1], ARGV[base + 2]
@@ -32,7 +32,7 @@ for i = 1, (#ARGV - 7) / 3 do
     flags[i] = 0
   else
     rcall('HDEL', K.owner, id)
-    rcall('ZREM', K.leased, id)
+    tokens[token] = true
     local failures = rcall('HINCRBY', K.attempts, id, 1)
     local s = parse_sched(rcall('HGET', K.sched, id) or '0:0:0:0::')
     local json = ARGV[base + 3]
@@ -57,6 +57,7 @@ for i = 1, (#ARGV - 7) / 3 do
     end
   end
 end
+lease_settle(K, tokens)
 add_depth(K.depth, counts)
 if retried > 0 then rcall('HINCRBY', K.stats, 'retries', retried) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end

@@ -1,11 +1,13 @@
 -- reap: take back expired leases (their worker died or hung), forget old dead letters.
--- K.leased  K.owner  K.attempts  K.pending  K.sched
+-- K.lease_expiry  K.owner  K.attempts  K.pending  K.sched
 -- K.dead    K.settings  K.depth  K.stats  K.requests
--- K.history  K.fair  K.fair_tenants  K.vtc
+-- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
+-- K.leased  ZSET id -> expiry: the per-request leases of versions before per-claim ones
 -- KEYS[FIXED+1..] result keys and reply lists of requests a previous call returned as
 --   `undeclared` (none on a first call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
+--         (a lapsed claim's lease is taken back whole), and most dead letters to forget
 -- ARGV[6] default dead_ttl
 -- Each expired lease counts as a failed attempt, recorded in `history`: the request
 -- goes back to pending at its original rank (it keeps its place), or is dead-lettered
@@ -22,7 +24,6 @@ local max_attempts = setting(K.settings, 'max_attempts', tonumber(ARGV[3]))
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
 local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[6]))
 local now = now_ms()
-local ids = rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, tonumber(ARGV[5]))
 local requeued, dead, counts, undeclared = 0, 0, {}, {}
 local requeued_ids, dead_ids = {}, {}
 
@@ -55,7 +56,9 @@ local function lapse(id, s)
   return true
 end
 
-for _, id in ipairs(ids) do
+-- Take back a request whose lease lapsed: false when it is left for a second call
+-- (its keys were not declared).
+local function take_back(id)
   local raw = rcall('HGET', K.sched, id)
   if rcall('HEXISTS', K.requests, id) == 0 then
     rcall('ZREM', K.leased, id)  -- nothing left to run
@@ -63,18 +66,36 @@ for _, id in ipairs(ids) do
     rcall('HDEL', K.sched, id)
     rcall('HDEL', K.attempts, id)
     rcall('HDEL', K.history, id)
-  else  -- (an entry missing or unreadable: back to be handed to a worker that fails it)
-    local s = parse_sched(raw or '')
-    if not lapse(id, s) then
-      undeclared[#undeclared + 1] = id
-      undeclared[#undeclared + 1] = s.client
-    end
+    return true
+  end  -- (an entry missing or unreadable: back to be handed to a worker that fails it)
+  local s = parse_sched(raw or '')
+  if lapse(id, s) then return true end
+  undeclared[#undeclared + 1] = id
+  undeclared[#undeclared + 1] = s.client
+  return false
+end
+
+-- each lapsed lease: the ids its claim still holds; the lease ends once none is left
+local limit = tonumber(ARGV[5])
+local budget = limit
+for _, token in ipairs(rcall('ZRANGEBYSCORE', K.lease_expiry, '-inf', now, 'LIMIT', 0, limit)) do
+  if budget <= 0 then break end
+  local ids, left = lease_ids_of(K, token), {}
+  budget = budget - #ids
+  local owners = #ids > 0 and hmget_chunked(K.owner, ids) or {}
+  for n, id in ipairs(ids) do
+    if owners[n] == token and not take_back(id) then left[#left + 1] = id end
   end
+  if #left == 0 then lease_end(K, token)
+  else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
+end
+for _, id in ipairs(rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, math.max(0, budget))) do
+  take_back(id)
 end
 add_depth(K.depth, counts)
 if requeued > 0 then rcall('HINCRBY', K.stats, 'reaped', requeued) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end
-local stale = rcall('ZRANGEBYSCORE', K.dead, '-inf', now - dead_ttl * 1000, 'LIMIT', 0, tonumber(ARGV[5]))
+local stale = rcall('ZRANGEBYSCORE', K.dead, '-inf', now - dead_ttl * 1000, 'LIMIT', 0, limit)
 if #stale > 0 then
   call_chunked('ZREM', K.dead, stale)
   forget(K, stale)
