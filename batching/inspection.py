@@ -7,7 +7,7 @@ protocol of producers and workers reads on its own.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from batchery.batching.calls import (oldest_call, parse_oldest, purge_call, revive_call,
                                      sched_tenant)
@@ -70,6 +70,11 @@ def merge_loads(*loads: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 def dead_results(ids: Sequence[str], results: Sequence[Result | None]) -> list[Result]:
     """Each dead letter's result; RESULT_GONE where it was deleted."""
     return [r or Result(id=i, status="dead", error=RESULT_GONE) for i, r in zip(ids, results)]
+
+
+def held_count(leases: Iterable[str]) -> int:
+    """How many requests the leases' texts (newline-separated ids each) hold."""
+    return sum(text.count("\n") + 1 for text in leases if text)
 
 
 class QueueInspection:
@@ -159,9 +164,11 @@ class QueueInspection:
         pipe = self.client.pipeline(transaction=False)
         pipe.zcard(k.pending)
         pipe.zcard(k.delayed)
-        pipe.hlen(k.owner)
+        pipe.hgetall(k.lease_ids)
         pipe.zcard(k.dead)
-        return dict(zip(("pending", "delayed", "inflight", "dead"), pipe.execute()))
+        pending, delayed, leases, dead = pipe.execute()
+        return {"pending": pending, "delayed": delayed, "inflight": held_count(leases.values()),
+                "dead": dead}
 
     def stats(self, workers: bool = True) -> dict[str, Any]:
         """Depth by class, in flight, dead letters, live workers (``workers``: counted)
@@ -171,17 +178,18 @@ class QueueInspection:
         pipe.zcard(k.pending)
         pipe.zcard(k.delayed)
         pipe.hgetall(k.depth)
-        pipe.hlen(k.owner)
+        pipe.hgetall(k.lease_ids)
         pipe.zcard(k.dead)
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
-        pending, delayed, depth, leased, dead, totals, paused = pipe.execute()
+        pending, delayed, depth, leases, dead, totals, paused = pipe.execute()
         tenants, other = top_tenants(self.tenant_loads(depth))
         return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
                 "tenants": tenants, "tenants_other": other,
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items())
                                         if int(n) and ":" not in c},
-                "inflight": leased, "dead": dead, "paused": paused not in (None, "0"),
+                "inflight": held_count(leases.values()), "dead": dead,
+                "paused": paused not in (None, "0"),
                 "workers": self.live_workers() if workers else 0,
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
@@ -215,7 +223,7 @@ class QueueInspection:
     def tenant_inflight(self) -> dict[str, int]:
         """Requests in flight (leased) per tenant: O(in flight), which the workers' batch
         sizes bound, read from the leases and their sched entries."""
-        ids = [i for i, _ in self.client.hscan_iter(self.keys.owner, count=INFLIGHT_CHUNK)]
+        ids = [i for held in self.leases().values() for i in held]
         counts: dict[str, int] = {}
         for start in range(0, len(ids), INFLIGHT_CHUNK):
             for raw in self.client.hmget(self.keys.sched, ids[start:start + INFLIGHT_CHUNK]):
@@ -223,6 +231,11 @@ class QueueInspection:
                     tenant = sched_tenant(raw)
                     counts[tenant] = counts.get(tenant, 0) + 1
         return counts
+
+    def leases(self) -> dict[str, list[str]]:
+        """Each claim's lease token -> the ids it holds, in its order (one lease per
+        claim: lua/_common.lua lease_read)."""
+        return {token: ids.split("\n") for token, ids in self.client.hgetall(self.keys.lease_ids).items()}
 
     @staticmethod
     def known_queues(client: Any) -> list[str]:

@@ -164,19 +164,21 @@ class Keys:
 
     @property
     def lease_ids(self) -> str:
-        """HASH lease token -> the ids its claim leased, newline-separated (ids hold no
-        control character); which of them the claim still holds is ``owner``'s to say."""
+        """HASH lease token -> the ids its claim still holds, newline-separated, in the
+        claim's order (ids hold no control character): a request is held by a claim
+        exactly while it is in that claim's lease (lua/_common.lua lease_read)."""
         return self._key("lease_ids")
 
     @property
     def leased(self) -> str:
-        """ZSET id -> lease expiry ms, one entry per request: the lease of versions before
+        """ZSET id -> lease expiry ms, one entry per request: the leases of versions before
         per-claim leases (``lease_expiry``), which the reaper still takes back."""
         return self._key("leased")
 
     @property
     def owner(self) -> str:
-        """HASH id -> lease token of the claim that may commit its result."""
+        """HASH id -> lease token, one entry per request: the lease holders of versions
+        before per-claim leases (``lease_ids``), which the reaper still clears."""
         return self._key("owner")
 
     @property

@@ -232,10 +232,25 @@ class RequestQueue(QueueInspection):
         return {c: int(n) for c, n in self.client.hgetall(self.keys.depth).items()
                 if ":" not in c}  # tenant:NAME fields count per tenant (see tenant_depth)
 
-    def holders(self, ids: Sequence[str]) -> list[str | None]:
-        """The lease token holding each request now; None once it was cancelled or
-        finished (one read, for a check between decode steps)."""
-        return list(self.client.hmget(self.keys.owner, list(ids))) if ids else []
+    def holders(self, leases: Sequence[tuple[str, str]]) -> list[str | None]:
+        """For each (id, lease token): the token while that claim still holds the request;
+        '' once another claim holds it or it is queued again (its lease lapsed); None once
+        it was cancelled or finished. One read (two when some is no longer held), for a
+        check between decode steps."""
+        if not leases:
+            return []
+        tokens = list(dict.fromkeys(token for _, token in leases))
+        held = {token: set(text.split("\n")) for token, text
+                in zip(tokens, self.client.hmget(self.keys.lease_ids, tokens)) if text}
+        out: list[str | None] = [token if i in held.get(token, ()) else None for i, token in leases]
+        lost = [n for n, token in enumerate(out) if token is None]
+        if lost:
+            pipe = self.client.pipeline(transaction=False)
+            for n in lost:
+                pipe.hexists(self.keys.requests, leases[n][0])
+            for n, queued in zip(lost, pipe.execute()):
+                out[n] = "" if queued else None
+        return out
 
     def reap(self, limit: int = 1000) -> Reaped:
         """Take back expired leases: back in the queue, or dead-lettered after their last

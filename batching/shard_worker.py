@@ -50,8 +50,8 @@ class WorkerCalls(ShardLayout):
         return [lost for i, positions in groups.items()
                 for lost in shards[i].renew(worker_id, [leases[p] for p in positions])]
 
-    def holders(self, ids: Sequence[str]) -> list[str | None]:
-        return self._routed(ids, RequestQueue.holders)
+    def holders(self, leases: Sequence[tuple[str, str]]) -> list[str | None]:
+        return self._routed(leases, RequestQueue.holders, first_field)
 
     def traces(self, ids: Sequence[str]) -> list[str | None]:
         return self._routed(ids, RequestQueue.traces)

@@ -386,18 +386,17 @@ def test_the_switch_lists_what_it_can_read(queue: RequestQueue) -> None:
 
 
 def check_leases(queue: RequestQueue) -> None:
-    """The leases, one per claim, whatever came before: each held request (owner) is in
-    its claim's lease record, and each record holds at least one request still held by
-    its claim and has an expiry (none is left behind: the reaper would never end it, and
-    a lapsed one would hold nothing back)."""
+    """The leases, one per claim, whatever came before: each holds at least one request
+    (none is left behind) and has an expiry; no request is held by two, and a held one
+    is neither pending nor waiting out a retry, and still has its request."""
     conn, k = queue.client, queue.keys
-    owners = conn.hgetall(k.owner)
-    records = {token: set(ids.split("\n")) for token, ids in conn.hgetall(k.lease_ids).items()}
-    assert set(conn.zrange(k.lease_expiry, 0, -1)) == set(records)
-    for request_id, token in owners.items():
-        assert request_id in records.get(token, ()), (request_id, token, records)
-    for token, ids in records.items():
-        assert any(owners.get(i) == token for i in ids), (token, ids, owners)
+    leases = queue.leases()
+    assert set(conn.zrange(k.lease_expiry, 0, -1)) == set(leases)
+    held = [i for ids in leases.values() for i in ids]
+    assert all(leases.values()) and len(held) == len(set(held)), leases
+    queued = set(conn.zrange(k.pending, 0, -1)) | set(conn.zrange(k.delayed, 0, -1))
+    assert not queued & set(held), (queued & set(held), leases)
+    assert all(conn.hmget(k.requests, held)) if held else True
 
 
 OPS = st.lists(st.one_of(
@@ -481,5 +480,5 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
         check_leases(queue)
     lost = set(made) - done - cancelled
     assert not lost, lost
-    assert not conn.hlen(queue.keys.owner) and not conn.hlen(queue.keys.lease_ids)
+    assert not conn.hlen(queue.keys.lease_ids) and not conn.zcard(queue.keys.lease_expiry)
     conn.close()

@@ -62,7 +62,7 @@ def test_counters_and_places_survive_an_aof_restart_and_a_worker_kill(queue_name
         wait_for(lambda: served(conn, queue).get("a", 0) >= 100 * TOKENS, 60,
                  message="a to be served 100 requests")
         stop_process(proc, signal.SIGKILL)  # mid-batch: its leases are left behind
-        held = conn.hkeys(queue.keys.owner)
+        held = [i for ids in queue.leases().values() for i in ids]
         before = fair_state(conn, queue)
         assert before["vtc"] and before["fair_tenants"] and before["pending"]
         conn.close()

@@ -141,7 +141,7 @@ def test_a_retried_claim_returns_the_batch_its_lost_reply_held(
     reply = through_proxy.claim("w#1", 10, 10_000, 0, 10)
     assert proxy.faults["replies dropped on purpose"] == 1
     assert [(r.id, r.input, r.attempt) for r in reply.batch] == [("r0", 0, 1), ("r1", 1, 1), ("r2", 2, 1)]
-    assert queue.client.hgetall(queue.keys.owner) == {"r0": "w#1", "r1": "w#1", "r2": "w#1"}
+    assert queue.leases() == {"w#1": ["r0", "r1", "r2"]}
     # the batch commits; the same token later leases nothing it no longer holds
     assert queue.complete([(r.id, r.lease_token, Result(r.id, "ok", 1).to_json()) for r in reply.batch],
                           {}) == [True] * 3

@@ -12,7 +12,10 @@ import pytest
 import redis
 
 from batchery import AsyncClient, Client, QueueFull
+from batchery.batching.calls import Failed
 from batchery.batching.queue import RequestQueue
+from batchery.batching.request import Request
+from batchery.batching.messages import Result
 from tests.conftest import RedisServer, free_port, run_cli, start_worker, stop_process, wait_for
 from tests.test_client import BackgroundWorker
 
@@ -107,13 +110,12 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
             # one call, so one batch: eight enqueues one at a time can be claimed as two
             # (the running batch and the one claimed ahead), two commits refused
             handles = client.enqueue_many([{"input": i} for i in range(8)])
-            wait_for(lambda: raw.hlen(queue.keys.owner) == 8, 30, message="the batch is leased")
+            wait_for(lambda: queue.held()["inflight"] == 8, 30, message="the batch is leased")
             out_of_memory(raw)  # the batch runs for 1.5 s; its commit meets a full Redis
             results = [h.result(timeout=20) for h in handles]
         assert {r.status for r in results} == {"dead"}
         assert {r.error["type"] for r in results} == {"RedisError"}
         assert "OutOfMemoryError" in results[0].error["message"]
-        assert raw.hlen(queue.keys.owner) == 0  # no lease left behind, per request or per claim
         assert raw.zcard(queue.keys.lease_expiry) == 0 and raw.hlen(queue.keys.lease_ids) == 0
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert f'batchery_redis_errors_total{{operation="commit",queue="{queue_name}"}} 1.0' in metrics, [l for l in metrics.splitlines() if "redis_errors" in l]
@@ -123,6 +125,28 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
         raw.close()
     log = (tmp_path / "worker.log").read_text()
     assert "Redis refused the results of 8 request(s): OutOfMemoryError" in log
+
+
+def test_an_out_of_memory_redis_still_takes_requests_back(small_redis: RedisServer,
+                                                          queue_name: str) -> None:
+    """Out of memory, a worker can still give requests back (release), fail them to a
+    retry, and the reaper take back a lapsed claim: each lets go of a lease first, a
+    write that frees memory (Redis refuses a script whose first write may grow it)."""
+    raw = redis.Redis(port=small_redis.port, decode_responses=True)
+    queue = RequestQueue(raw, queue_name)
+    queue.update_settings(max_attempts=3, memory_high_water=0)
+    queue.enqueue([Request.validated(id=f"r{i}", input=i) for i in range(5)], "c")
+    first = queue.claim("w#1", 3, 10_000, 0, 10).batch
+    second = queue.claim("w#2", 2, 10_000, 0, 10).batch
+    raw.zadd(queue.keys.lease_expiry, {"w#1": 0, "w#2": 0})  # both lapse (not reaped yet)
+    out_of_memory(raw)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        raw.set("one-more", "x")
+    assert queue.release([(first[0].id, "w#1")]) == 1
+    dead_json = Result(first[1].id, "dead", error={"type": "E", "message": "m"}).to_json()
+    assert queue.fail([(first[1].id, "w#1", dead_json)]) == [Failed.RETRIED]
+    assert sorted(queue.reap().requeued) == sorted([first[2].id, *(r.id for r in second)])
+    assert queue.leases() == {} and queue.held()["pending"] == 4
 
 
 def test_delivered_results_are_deleted_unless_the_queue_keeps_them(redis_url: str,

@@ -42,7 +42,7 @@ def all_done(queue: RequestQueue, ids: list[str]) -> bool:
 
 
 def held_by(queue: RequestQueue, pid: int) -> list[str]:
-    return [i for i, token in queue.client.hgetall(queue.keys.owner).items() if f":{pid}:" in token]
+    return [i for token, ids in queue.leases().items() if f":{pid}:" in token for i in ids]
 
 
 def freeze_holding(queue: RequestQueue, proc, timeout: float = 30) -> list[str]:

@@ -133,30 +133,33 @@ def test_a_claim_is_one_lease_that_ends_with_its_last_request(queue: RequestQueu
     assert conn.zrange(k.lease_expiry, 0, -1) == ["w#1"]  # r2 and r3 still held by it
     conn.zadd(k.lease_expiry, {"w#1": 0})  # it lapses
     assert queue.reap().requeued == ["r2", "r3"]
-    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry) and not conn.hlen(k.owner)
+    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry)
     again = queue.claim("w#2", 10, 10_000, 0, 10).batch
     assert [(r.id, r.attempt) for r in again] == [("r2", 2), ("r3", 2)]
     # r2 given back and claimed by another: its first claim's lapse leaves it to that one
     assert queue.release([("r2", "w#2")]) == 1
     assert [r.id for r in queue.claim("w#3", 10, 10_000, 0, 10).batch] == ["r2"]
     conn.zadd(k.lease_expiry, {"w#2": 0})
-    assert queue.reap().requeued == ["r3"] and conn.hget(k.owner, "r2") == "w#3"
+    assert queue.reap().requeued == ["r3"] and queue.leases() == {"w#3": ["r2"]}
     last = queue.claim("w#4", 10, 10_000, 0, 10).batch
     assert ok(queue, last) == [True]  # the whole claim committed: its lease ends
     assert conn.zrange(k.lease_expiry, 0, -1) == ["w#3"]
     assert queue.complete([("r2", "w#3", Result("r2", "ok", "out").to_json())], {}) == [True]
-    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry) and not conn.hlen(k.owner)
+    assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry)
 
 
 def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue) -> None:
     """A request leased by a version that kept one lease per request (its expiry in the
-    `leased` set, no lease of its claim) still comes back when that lease lapses."""
+    `leased` set, its holder in `owner`, no lease of its claim) still comes back when that
+    lease lapses."""
     queue.enqueue(requests("a", "b"), "c")
     claimed = queue.claim("w#1", 1, 10_000, 0, 10).batch
     k, conn = queue.keys, queue.client
     conn.delete(k.lease_ids, k.lease_expiry)  # as the earlier version left it:
     conn.zadd(k.leased, {claimed[0].id: 0})  # its expiry per request, lapsed
-    assert queue.reap().requeued == [claimed[0].id] and not conn.zcard(k.leased)
+    conn.hset(k.owner, claimed[0].id, "w#1")
+    assert queue.reap().requeued == [claimed[0].id]
+    assert not conn.zcard(k.leased) and not conn.hlen(k.owner)
     assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["r0", "r1"]
 
 

@@ -46,7 +46,7 @@ end
 
 -- Redis keeps a small hash or sorted set as one flat list (a listpack: up to 512 hash
 -- fields or 128 set members of at most 64 bytes, its defaults) and finds a member by
--- scanning it. A queue's per-request keys (requests, sched, owner; pending, fair)
+-- scanning it. A queue's per-request keys (requests, sched; pending, fair)
 -- hold a few hundred entries while the workers keep up, so each request's reads and
 -- writes there scanned hundreds of entries: about half of redis-server's time per request
 -- (bench/redis_time.py). One value over the flat list's limit turns the key into a hash
@@ -534,35 +534,72 @@ local function forget(keys, ids, seldom)
   for _, key in ipairs({keys.attempts, keys.history}) do
     if not seldom or rcall('HLEN', key) > 0 then call_chunked('HDEL', key, ids) end
   end
-  call_chunked('HDEL', keys.owner, ids)
 end
 
--- Leases are kept per claim, not per request: lease_ids holds the ids each claim leased
--- under its lease token, lease_expiry when that lease lapses (its worker's heartbeat
--- renews it); owner says which token holds each id now. A claim's two entries go once it
--- holds none of its ids: at the commit that ends them all (the common case), else at the
--- fail, release or cancel that ends the last one (lease_settle), or at the reap.
-local function lease_ids_of(K, token)  -- the ids a claim leased, in its order ({}: none)
-  local ids, n = {}, 0
-  for id in string.gmatch(rcall('HGET', K.lease_ids, token) or '', '[^\n]+') do
+-- Leases are kept per claim, not per request: lease_ids holds the ids each claim still
+-- holds under its lease token (newline-separated, in the claim's order; ids hold no
+-- control character), lease_expiry when its lease lapses (its worker's heartbeat renews
+-- it). A request is held by a claim exactly while it is in that claim's lease; the lease
+-- ends with the last one it holds (committed, failed, released, cancelled or reaped).
+local function split_ids(text)  -- a lease's text: its ids in order, and as a set
+  local ids, held, n = {}, {}, 0
+  for id in string.gmatch(text, '[^\n]+') do
     n = n + 1
-    ids[n] = id
+    ids[n], held[id] = id, true
   end
-  return ids
+  return ids, held
+end
+local function lease_read(K, token)  -- what a claim holds (split_ids)
+  return split_ids(rcall('HGET', K.lease_ids, token) or '')
 end
 local function lease_end(K, token)
   rcall('HDEL', K.lease_ids, token)
   rcall('ZREM', K.lease_expiry, token)
 end
--- End the leases of `tokens` (token -> true) that hold none of their ids any more.
-local function lease_settle(K, tokens)
-  for token in pairs(tokens) do
-    local ids, held = lease_ids_of(K, token), false
-    if #ids > 0 then
-      for _, owner in ipairs(hmget_chunked(K.owner, ids)) do
-        if owner == token then held = true; break end
+-- Take `gone` (id -> true) out of the lease of `token`; it ends once it holds nothing.
+-- (The lease is deleted before what it still holds is written again: a Redis at its
+-- maxmemory refuses a script whose first write may grow memory, and one that first frees
+-- some, such as a worker giving back its requests (fail, release), must still run.)
+local function lease_drop(K, token, gone)
+  local ids, left = lease_read(K, token), {}
+  for _, id in ipairs(ids) do
+    if not gone[id] then left[#left + 1] = id end
+  end
+  if #left == #ids then return end
+  rcall('HDEL', K.lease_ids, token)
+  if #left == 0 then rcall('ZREM', K.lease_expiry, token)
+  else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
+end
+-- The leases one call checks and lets go of, each read once: book.holds(id, token)
+-- whether the claim `token` holds id (and the call has not let go of it);
+-- book.let_go(id, token); book.settle() writes what each lease holds then.
+local function lease_book(K)
+  local held, gone, book = {}, {}, {}
+  function book.holds(id, token)
+    if not held[token] then held[token], gone[token] = select(2, lease_read(K, token)), {} end
+    return held[token][id] == true and not gone[token][id]
+  end
+  function book.let_go(id, token)
+    if book.holds(id, token) then gone[token][id] = true end
+  end
+  -- the token of the claim holding `id`, or nil: every lease read, once per call (a
+  -- cancel's, rare; the leases hold what the workers run, which their batch sizes bound)
+  local holder_of = nil
+  function book.holder(id)
+    if not holder_of then
+      holder_of = {}
+      local all = rcall('HGETALL', K.lease_ids)
+      for i = 1, #all, 2 do
+        for id_held in string.gmatch(all[i + 1], '[^\n]+') do holder_of[id_held] = all[i] end
       end
     end
-    if not held then lease_end(K, token) end
+    local token = holder_of[id]
+    return token and book.holds(id, token) and token or nil
   end
+  function book.settle()
+    for token, ids in pairs(gone) do
+      if next(ids) then lease_drop(K, token, ids) end
+    end
+  end
+  return book
 end

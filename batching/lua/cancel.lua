@@ -1,5 +1,5 @@
 -- cancel: cancel requests by id; queued ones never run, running ones are discarded.
--- K.pending  K.delayed  K.lease_expiry  K.owner  K.requests
+-- K.pending  K.delayed  K.lease_expiry  K.requests
 -- K.sched    K.attempts K.settings K.depth  K.stats
 -- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
 -- KEYS[FIXED+1..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
@@ -18,7 +18,7 @@
 local CANCELLED_LEASE_S = 60
 local result_prefix, reply_prefix, cancelled_prefix = ARGV[1], ARGV[2], ARGV[4]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
-local flags, counts, gone, tokens = {}, {}, {}, {}
+local flags, counts, gone, leases = {}, {}, {}, lease_book(K)
 for i = 5, #ARGV, 2 do
   local id = ARGV[i]
   local flag = 0
@@ -27,13 +27,13 @@ for i = 5, #ARGV, 2 do
     if rcall('ZREM', K.pending, id) == 1 or rcall('ZREM', K.delayed, id) == 1 then
       flag = 1
     else
-      local token = rcall('HGET', K.owner, id)
+      local token = leases.holder(id)
       if token then
         flag = 2
         local key = cancelled_prefix .. id
         if not DECLARED[key] then error('batchery: cancelled-lease key not declared: ' .. key) end
         rcall('SET', key, token, 'EX', CANCELLED_LEASE_S)
-        tokens[token] = true
+        leases.let_go(id, token)
       end
     end
   else
@@ -56,7 +56,7 @@ for i = 5, #ARGV, 2 do
 end
 if #gone > 0 then
   forget(K, gone)
-  lease_settle(K, tokens)
+  leases.settle()
   rcall('HINCRBY', K.stats, 'cancelled', #gone)
 end
 add_depth(K.depth, counts)

@@ -4,9 +4,8 @@
 -- K.sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
 -- K.requests   HASH id -> request JSON
 -- K.attempts   HASH id -> failed runs
--- K.lease_ids  HASH lease token -> the ids its claim leased   K.lease_expiry  ZSET token ->
---              ms its lease lapses (_common.lua lease_settle)
--- K.owner      HASH id -> lease token
+-- K.lease_ids  HASH lease token -> the ids its claim holds   K.lease_expiry  ZSET token ->
+--              ms its lease lapses (_common.lua lease_read)
 -- K.settings   HASH
 -- K.depth      HASH class -> queued count
 -- K.claim     STRING this token's claim remembered: its wait, head rank and ids (below)
@@ -181,8 +180,9 @@ end
 -- first n_expired of them expired, the next n_unreadable handed over without their entry).
 local function leased_reply(wait, ids, n_expired, n_unreadable, head_rank)
   local out_ids, n_out_expired, unreadable_at = {}, 0, {}
+  local _, held = lease_read(K, token)
   for i, id in ipairs(ids) do
-    if rcall('HGET', K.owner, id) == token then
+    if held[id] then
       out_ids[#out_ids + 1] = id
       if i <= n_expired then n_out_expired = n_out_expired + 1
       elseif i <= n_expired + n_unreadable then unreadable_at[#out_ids] = true end
@@ -665,11 +665,9 @@ end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
-local out_ids, out_scheds, oargs, counts = {}, {}, {}, {}
+local out_ids, out_scheds, counts = {}, {}, {}
 for n, i in ipairs(take) do
-  local id = ids[i]
-  out_ids[n], out_scheds[n] = id, scheds[i]
-  oargs[2 * n - 1], oargs[2 * n] = id, token
+  out_ids[n], out_scheds[n] = ids[i], scheds[i]
 end
 if n_unreadable == 0 then
   fair_settle(out_ids, out_scheds, n_expired, stale, counts)
@@ -686,11 +684,6 @@ else  -- the unreadable ones (after the expired) go without their entries, and u
   fair_settle(settle_ids, settle_scheds, n_expired, stale, counts)
 end
 call_chunked('ZREM', K.pending, out_ids)
--- none leased: the owner hash starts again, in its wide encoding
-local wide = rcall('HLEN', K.owner) == 0
-if wide then widen(true, {K.owner}, {}) end
-call_chunked('HSET', K.owner, oargs)
-if wide then widen(false, {K.owner}, {}) end
 -- the lease, one for the batch: its ids and when it lapses
 rcall('HSET', K.lease_ids, token, table.concat(out_ids, '\n'))
 rcall('ZADD', K.lease_expiry, expiry, token)

@@ -1,6 +1,6 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
--- K.requests  K.sched  K.attempts  K.lease_expiry  K.owner
--- K.settings  K.stats  K.history  K.lease_ids
+-- K.requests  K.sched  K.attempts  K.lease_expiry  K.lease_ids
+-- K.settings  K.stats  K.history
 -- KEYS[FIXED+1..] the result key of each id (in ARGV's order), then the reply list of each
 --         client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
@@ -16,12 +16,19 @@
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
--- the ids in ARGV's order, for the one HMGET of their owners
+-- the ids in ARGV's order, and each lease token's among them
 local ids, n, a, n_args = {}, 0, 5, #ARGV
+local of_token = {}
 while a <= n_args do
-  local k = tonumber(ARGV[a + 2])
+  local token, k = ARGV[a], tonumber(ARGV[a + 2])
+  local mine = of_token[token] or {}
+  of_token[token] = mine
   a = a + 3
-  for j = 1, k do ids[n + j] = ARGV[a + 2 * j - 2] end
+  local m = #mine
+  for j = 1, k do
+    local id = ARGV[a + 2 * j - 2]
+    ids[n + j], mine[m + j] = id, id
+  end
   n, a = n + k, a + 2 * k
 end
 if n == 0 then return {} end
@@ -32,28 +39,34 @@ if #KEYS < FIXED + n or KEYS[FIXED + 1] ~= result_prefix .. ids[1]
    or KEYS[FIXED + n] ~= result_prefix .. ids[n] then
   error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
 end
-local owners = rcall('HMGET', K.owner, unpack(ids))
+-- What each token's lease still holds of its ids: all of them when the lease is exactly
+-- its ids in order (a batch committed whole, the common case: one string compared, no id
+-- looked up), else the set the lease holds.
+local holds, gone = {}, {}  -- gone: token -> the ids committed of a lease held in part
+for token, mine in pairs(of_token) do
+  local leased = rcall('HGET', K.lease_ids, token)
+  if leased == table.concat(mine, '\n') then holds[token] = true
+  else holds[token], gone[token] = select(2, split_ids(leased or '')), {} end
+end
 
 local done, flags, replies, replayed = {}, {}, {}, false
-local ended = {}  -- token -> the ids this call commits of its lease, in order
 local i, d = 0, 0
 a = 5
 while a <= n_args do
   local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
-  local mine = ended[token] or {}
-  ended[token] = mine
   local jsons = client ~= '' and (replies[client] or {}) or nil
   if jsons then replies[client] = jsons end
+  local held = holds[token]
   a = a + 3
   for _ = 1, k do
     i = i + 1
     local json, key = ARGV[a + 1], KEYS[FIXED + i]
-    if owners[i] == token then
+    if held == true or held[ids[i]] then
       rcall('SET', key, json, 'EX', ttl_s)
       if jsons then jsons[#jsons + 1] = json end
       d = d + 1
       done[d] = ids[i]
-      mine[#mine + 1] = ids[i]
+      if held ~= true then gone[token][ids[i]] = true end
       flags[i] = 1
     elseif rcall('GET', key) == json then
       flags[i], replayed = 1, true
@@ -69,19 +82,12 @@ end
 declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
 push_replies(reply_prefix, replies, ttl)
 if #done > 0 then forget(K, done, true) end
--- a lease whose ids this call commits, all in the claim's order (a batch committed in
--- one call), ends with them; any other is settled by what it still holds
-local unsettled = {}
-for token, mine in pairs(ended) do
-  if #mine > 0 then
-    if rcall('HGET', K.lease_ids, token) == table.concat(mine, '\n') then
-      lease_end(K, token)
-    else
-      unsettled[token] = true
-    end
-  end
+-- the leases: one whose ids this call committed whole ends; any other lets go of the
+-- ones committed
+for token, held in pairs(holds) do
+  if held == true then lease_end(K, token)
+  elseif next(gone[token]) then lease_drop(K, token, gone[token]) end
 end
-lease_settle(K, unsettled)
 if not replayed then
   for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
     rcall('HINCRBY', K.stats, name, v)

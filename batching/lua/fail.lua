@@ -1,5 +1,5 @@
 -- fail: a leased request failed; schedule a retry with backoff, or dead-letter it.
--- K.requests  K.sched  K.attempts  K.lease_expiry  K.owner
+-- K.requests  K.sched  K.attempts  K.lease_expiry
 -- K.delayed   K.dead   K.settings  K.depth   K.stats
 -- K.history   K.call  STRING this call's reply, remembered (see Returns)   K.lease_ids
 -- KEYS[FIXED+1..] the result key of each id, then the reply list of each client among them
@@ -24,15 +24,20 @@ local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[4]))
 local base_ms, cap_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local dead_ttl = setting(K.settings, 'dead_ttl', tonumber(ARGV[7]))
 local now = now_ms()
-local flags, counts, retried, dead, tokens = {}, {}, 0, 0, {}
-for i = 1, (#ARGV - 7) / 3 do
+local flags, counts, retried, dead, leases = {}, {}, 0, 0, lease_book(K)
+local n_items, held = (#ARGV - 7) / 3, {}
+for i = 1, n_items do  -- the leases let go of first (_common.lua lease_drop: maxmemory)
+  local id, token = ARGV[7 + 3 * i - 2], ARGV[7 + 3 * i - 1]
+  held[i] = leases.holds(id, token)
+  if held[i] then leases.let_go(id, token) end
+end
+leases.settle()
+for i = 1, n_items do
   local base = 7 + (i - 1) * 3
-  local id, token = ARGV[base + 1], ARGV[base + 2]
-  if rcall('HGET', K.owner, id) ~= token then
+  local id = ARGV[base + 1]
+  if not held[i] then
     flags[i] = 0
   else
-    rcall('HDEL', K.owner, id)
-    tokens[token] = true
     local failures = rcall('HINCRBY', K.attempts, id, 1)
     local s = parse_sched(rcall('HGET', K.sched, id) or '0:0:0:0::')
     local json = ARGV[base + 3]
@@ -57,7 +62,6 @@ for i = 1, (#ARGV - 7) / 3 do
     end
   end
 end
-lease_settle(K, tokens)
 add_depth(K.depth, counts)
 if retried > 0 then rcall('HINCRBY', K.stats, 'retries', retried) end
 if dead > 0 then rcall('HINCRBY', K.stats, 'dead', dead) end

@@ -1,5 +1,5 @@
 -- purge: forget dead-lettered requests for good (`batchery queue dead purge`).
--- K.dead  K.requests  K.sched  K.attempts  K.owner  K.history
+-- K.dead  K.requests  K.sched  K.attempts  K.history
 -- ARGV[1] 1: every dead request; 0: only the ids that follow
 -- ARGV[2..] ids (any string, '*' included, is one id)
 -- Their dead results stay readable until the result TTL.

@@ -1,8 +1,9 @@
 -- reap: take back expired leases (their worker died or hung), forget old dead letters.
--- K.lease_expiry  K.owner  K.attempts  K.pending  K.sched
+-- K.lease_expiry  K.attempts  K.pending  K.sched
 -- K.dead    K.settings  K.depth  K.stats  K.requests
 -- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
--- K.leased  ZSET id -> expiry: the per-request leases of versions before per-claim ones
+-- K.leased  ZSET id -> expiry   K.owner  HASH id -> token: the per-request leases of
+--           versions before per-claim ones, taken back as before
 -- KEYS[FIXED+1..] result keys and reply lists of requests a previous call returned as
 --   `undeclared` (none on a first call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
@@ -75,18 +76,18 @@ local function take_back(id)
   return false
 end
 
--- each lapsed lease: the ids its claim still holds; the lease ends once none is left
+-- each lapsed lease: the ids its claim still holds; it ends once none is left
 local limit = tonumber(ARGV[5])
 local budget = limit
 for _, token in ipairs(rcall('ZRANGEBYSCORE', K.lease_expiry, '-inf', now, 'LIMIT', 0, limit)) do
   if budget <= 0 then break end
-  local ids, left = lease_ids_of(K, token), {}
+  local ids, left = lease_read(K, token), {}
   budget = budget - #ids
-  local owners = #ids > 0 and hmget_chunked(K.owner, ids) or {}
-  for n, id in ipairs(ids) do
-    if owners[n] == token and not take_back(id) then left[#left + 1] = id end
+  rcall('HDEL', K.lease_ids, token)  -- first (_common.lua lease_drop: maxmemory)
+  for _, id in ipairs(ids) do
+    if not take_back(id) then left[#left + 1] = id end
   end
-  if #left == 0 then lease_end(K, token)
+  if #left == 0 then rcall('ZREM', K.lease_expiry, token)
   else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
 end
 for _, id in ipairs(rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, math.max(0, budget))) do

@@ -1,5 +1,5 @@
 -- renew: a worker's heartbeat; extends the leases it still holds.
--- K.lease_expiry  K.owner  K.settings  K.workers
+-- K.lease_expiry  K.lease_ids  K.settings  K.workers
 -- ARGV[1] worker id   ARGV[2] default lease_seconds
 -- ARGV[3..] pairs: id, lease token
 -- Returns the ids whose lease this worker no longer holds (taken over or cancelled):
@@ -8,12 +8,10 @@
 local now = now_ms()
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[2])) * 1000)
 rcall('ZADD', K.workers, now, ARGV[1])
-local lost, ids, tokens = {}, {}, {}
-for i = 3, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
-local owners = #ids > 0 and hmget_chunked(K.owner, ids) or {}
-for n, id in ipairs(ids) do
-  local token = ARGV[2 * n + 2]
-  if owners[n] == token then tokens[token] = true else lost[#lost + 1] = id end
+local lost, tokens, leases = {}, {}, lease_book(K)
+for i = 3, #ARGV, 2 do
+  local id, token = ARGV[i], ARGV[i + 1]
+  if leases.holds(id, token) then tokens[token] = true else lost[#lost + 1] = id end
 end
 local expiry = fmt_int(now + lease_ms)
 for token in pairs(tokens) do rcall('ZADD', K.lease_expiry, 'XX', expiry, token) end

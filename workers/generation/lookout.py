@@ -20,7 +20,7 @@ class Lookout:
     def __init__(self, queue_: Any) -> None:
         self._queue = queue_
         self._lock = threading.Lock()
-        self._ids: list[str] = []                      # whose leases to read, as last handed in
+        self._leases: list[tuple[str, str]] = []       # (id, lease token) to read, as last handed in
         self._owners: dict[str, str | None] | None = None  # the latest read, until taken
         self.head: float | None = None                 # the head's rank, as last read
         self._stop = threading.Event()
@@ -35,9 +35,10 @@ class Lookout:
 
     def lost(self, held: list[Any]) -> list[tuple[Any, str | None]]:
         """Of the sequences ``held`` (whose leases the next reads cover), those the latest
-        read (taken once) shows held by another token, or by none (cancelled), with it."""
+        read (taken once) shows no longer held by their lease: with '' (another claim holds
+        it, or it is queued again) or None (cancelled)."""
         with self._lock:
-            self._ids = [s.key.request.id for s in held]
+            self._leases = [(s.key.request.id, s.key.request.lease_token) for s in held]
             owners, self._owners = self._owners, None
         if owners is None:
             return []
@@ -52,9 +53,9 @@ class Lookout:
                 if time.monotonic() - leases_read >= LEASES_EVERY_S:
                     leases_read = time.monotonic()
                     with self._lock:
-                        ids = self._ids
-                    if ids:
-                        owners = dict(zip(ids, self._queue.holders(ids)))
+                        leases = self._leases
+                    if leases:
+                        owners = dict(zip((i for i, _ in leases), self._queue.holders(leases)))
                         with self._lock:
                             self._owners = owners
             except Exception as exc:  # Redis away: the loop goes on with what it knows
