@@ -234,8 +234,9 @@ class RequestQueue(QueueInspection):
 
     def holders(self, leases: Sequence[tuple[str, str]]) -> list[str | None]:
         """For each (id, lease token): the token while that claim still holds the request;
-        '' once another claim holds it or it is queued again (its lease lapsed); None once
-        it was cancelled or finished. One read (two when some is no longer held), for a
+        '' once that claim no longer holds it but Redis still does (another claim holds
+        it, it is queued again or waits for a retry, it was dead-lettered); None once it
+        was cancelled or finished. One read (two when some is no longer held), for a
         check between decode steps."""
         if not leases:
             return []

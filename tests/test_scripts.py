@@ -148,6 +148,23 @@ def test_a_claim_is_one_lease_that_ends_with_its_last_request(queue: RequestQueu
     assert not conn.hlen(k.lease_ids) and not conn.zcard(k.lease_expiry)
 
 
+def test_a_claim_retried_after_its_memory_lapsed_keeps_what_its_lease_held(
+        queue: RequestQueue) -> None:
+    """A claim whose reply was lost, sent again under its token after the claim's memory
+    of it lapsed (or was evicted), leases anew: what its lease held stays in it, and comes
+    back when it lapses, never held by no lease."""
+    queue.enqueue(requests("a", "b"), "c")
+    assert [r.id for r in queue.claim("w#1", 10, 10_000, 0, 10).batch] == ["r0", "r1"]
+    k, conn = queue.keys, queue.client
+    conn.delete(k.claim("w#1"))  # its memory gone; the reply never reached the worker
+    queue.enqueue([Request.validated(id="late", input="c")], "c")
+    again = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert [r.id for r in again] == ["late"] and queue.leases() == {"w#1": ["r0", "r1", "late"]}
+    assert ok(queue, again) == [True]
+    conn.zadd(k.lease_expiry, {"w#1": 0})
+    assert queue.reap().requeued == ["r0", "r1"] and queue.leases() == {}
+
+
 def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue) -> None:
     """A request leased by a version that kept one lease per request (its expiry in the
     `leased` set, its holder in `owner`, no lease of its claim) still comes back when that

@@ -684,8 +684,12 @@ else  -- the unreadable ones (after the expired) go without their entries, and u
   fair_settle(settle_ids, settle_scheds, n_expired, stale, counts)
 end
 call_chunked('ZREM', K.pending, out_ids)
--- the lease, one for the batch: its ids and when it lapses
-rcall('HSET', K.lease_ids, token, table.concat(out_ids, '\n'))
+-- the lease, one for the batch: its ids and when it lapses. A lease this token holds
+-- already (its claim's reply was lost, and its memory above lapsed or was evicted before
+-- this retry) keeps what it holds: those come back when this one lapses, never dropped.
+local leased = table.concat(out_ids, '\n')
+local earlier = rcall('HGET', K.lease_ids, token)
+rcall('HSET', K.lease_ids, token, earlier and earlier .. '\n' .. leased or leased)
 rcall('ZADD', K.lease_expiry, expiry, token)
 add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),

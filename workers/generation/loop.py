@@ -317,7 +317,7 @@ class DecodeLoop(QueueSide):
         tracing.released([s.key.request for s in gone], "cancelled, or taken over after a stall")
         for s, owner in lost:
             s.finish_reason = "cancelled"
-            if owner is None:  # cancelled (or dead-lettered: then attach finds no cancel)
+            if owner is None:  # cancelled: the result gets the text so far
                 self._attach(s)
                 if s.params.stream:
                     self._stream(s)
