@@ -183,7 +183,7 @@ class QueueInspection:
         pipe.hgetall(k.stats)
         pipe.hget(k.settings, "paused")
         pending, delayed, depth, leases, dead, totals, paused = pipe.execute()
-        tenants, other = top_tenants(self.tenant_loads(depth))
+        tenants, other = top_tenants(self.tenant_loads(depth, leases))
         return {"pending": pending + delayed, "delayed": delayed,  # retries waiting out backoff
                 "tenants": tenants, "tenants_other": other,
                 "pending_by_priority": {c: int(n) for c, n in sorted(depth.items())
@@ -193,10 +193,12 @@ class QueueInspection:
                 "workers": self.live_workers() if workers else 0,
                 "totals": {name: int(n) for name, n in sorted(totals.items())}}
 
-    def tenant_loads(self, depth: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
+    def tenant_loads(self, depth: dict[str, str] | None = None,
+                     leases: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
         """Each tenant's queued requests (pending + delayed), requests in flight and tokens
         served (claimed), for those with any; the folded tenants (lua/fold.lua) summed
-        under FOLDED. ``depth``: the depth hash, when read already."""
+        under FOLDED. ``depth``, ``leases``: the depth and lease_ids hashes, when read
+        already."""
         if depth is None:
             depth = self.client.hgetall(self.keys.depth)
         loads: dict[str, dict[str, int]] = {}
@@ -206,7 +208,7 @@ class QueueInspection:
         for field, n in depth.items():
             if field.startswith(TENANT_DEPTH) and int(n) > 0:
                 load(field[len(TENANT_DEPTH):])["pending"] = int(n)
-        for tenant, n in self.tenant_inflight().items():
+        for tenant, n in self.tenant_inflight(leases).items():
             load(tenant)["inflight"] = n
         folded = dict.fromkeys(LOAD, 0)
         for tenant, tokens in self.client.hscan_iter(self.keys.served, count=1000):
@@ -220,10 +222,13 @@ class QueueInspection:
             loads[FOLDED] = folded
         return loads
 
-    def tenant_inflight(self) -> dict[str, int]:
+    def tenant_inflight(self, leases: dict[str, str] | None = None) -> dict[str, int]:
         """Requests in flight (leased) per tenant: O(in flight), which the workers' batch
-        sizes bound, read from the leases and their sched entries."""
-        ids = [i for held in self.leases().values() for i in held]
+        sizes bound, read from the leases (``leases``: the lease_ids hash, when read
+        already) and their sched entries."""
+        if leases is None:
+            leases = self.client.hgetall(self.keys.lease_ids)
+        ids = [i for text in leases.values() for i in text.split("\n")]
         counts: dict[str, int] = {}
         for start in range(0, len(ids), INFLIGHT_CHUNK):
             for raw in self.client.hmget(self.keys.sched, ids[start:start + INFLIGHT_CHUNK]):

@@ -404,7 +404,7 @@ OPS = st.lists(st.one_of(
               st.sampled_from(["normal", "batch"])),
     st.tuples(st.just("claim"), st.integers(1, 5)),
     st.tuples(st.sampled_from(["release", "fail", "due", "lapse", "complete", "complete_one",
-                               "revive"])),
+                               "reclaim", "revive"])),
     st.tuples(st.just("cancel"), st.integers(0, 10**6))), max_size=40)
 LISTING_RUNS = itertools.count()
 
@@ -414,8 +414,8 @@ LISTING_RUNS = itertools.count()
 def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
         redis_server: RedisServer, ops: list[tuple], attempts: int) -> None:
     """Enqueues of any tenants, claims, releases, failures retried (their backoff over),
-    leases lapsing (the reaper), dead letters revived, cancels and commits (of part of a
-    claim too), in any order:
+    leases lapsing (the reaper), dead letters revived, cancels, commits (of part of a
+    claim too) and claims sent again under a token whose memory lapsed, in any order:
     after each, the sub-queues follow the rule of check_listing and the leases that of
     check_leases; drained (the dead letters revived first), every request ran once or was
     cancelled, and no lease is left. The queue's max_attempts (1 to 3) sets how soon a
@@ -460,6 +460,10 @@ def test_the_sub_queues_follow_any_mix_of_tenants_and_paths(
             held = []
         elif op[0] == "complete_one" and held:  # a part of a claim: its lease holds the rest
             finish([held.pop(0)])
+        elif op[0] == "reclaim" and held:  # a claim sent again after its memory lapsed
+            token = held[0].lease_token
+            conn.delete(queue.keys.claim(token))
+            held += queue.claim(token, 2, 10**6, 0, 64).batch
         elif op[0] == "revive" and dead:  # `batchery queue dead retry --all`: pending again
             assert queue.revive(everything=True) == len(dead)
             dead.clear()

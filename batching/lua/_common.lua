@@ -560,6 +560,11 @@ end
 -- (The lease is deleted before what it still holds is written again: a Redis at its
 -- maxmemory refuses a script whose first write may grow memory, and one that first frees
 -- some, such as a worker giving back its requests (fail, release), must still run.)
+-- lease_put(K, token, left): after the HDEL, what the lease still holds (none: it ends).
+local function lease_put(K, token, left)
+  if #left == 0 then rcall('ZREM', K.lease_expiry, token)
+  else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
+end
 local function lease_drop(K, token, gone)
   local ids, left = lease_read(K, token), {}
   for _, id in ipairs(ids) do
@@ -567,8 +572,7 @@ local function lease_drop(K, token, gone)
   end
   if #left == #ids then return end
   rcall('HDEL', K.lease_ids, token)
-  if #left == 0 then rcall('ZREM', K.lease_expiry, token)
-  else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
+  lease_put(K, token, left)
 end
 -- The leases one call checks and lets go of, each read once: book.holds(id, token)
 -- whether the claim `token` holds id (and the call has not let go of it);

@@ -87,8 +87,7 @@ for _, token in ipairs(rcall('ZRANGEBYSCORE', K.lease_expiry, '-inf', now, 'LIMI
   for _, id in ipairs(ids) do
     if not take_back(id) then left[#left + 1] = id end
   end
-  if #left == 0 then rcall('ZREM', K.lease_expiry, token)
-  else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
+  lease_put(K, token, left)
 end
 for _, id in ipairs(rcall('ZRANGEBYSCORE', K.leased, '-inf', now, 'LIMIT', 0, math.max(0, budget))) do
   take_back(id)
