@@ -24,12 +24,18 @@ LATER = 10 ** 13  # a "now" past every wait: the rule's choice when a claim leas
 @st.composite
 def lookaheads(draw: st.DrawFn) -> tuple[list[Candidate], int, int, int]:
     n = draw(st.integers(0, 40))
+    # a third of the cases alike: one length, one class, no deadline (a claim settled by its
+    # first batch's worth takes its own path)
+    alike = draw(st.sampled_from([False, False, True]))
+    tokens, delay = draw(st.integers(1, 600)), draw(st.sampled_from([0, 5000, 60_000, 7]))
     drawn = []
     for _ in range(n):
         enqueued = NOW - draw(st.integers(0, 70_000))
-        delay = draw(st.sampled_from([0, 5000, 60_000, 7]))  # classes, and an integer priority
-        drawn.append((enqueued + delay, enqueued, draw(st.integers(1, 600)),
-                      draw(st.sampled_from([0, 0, 0, NOW - 1, NOW + 1000]))))
+        if not alike:
+            delay = draw(st.sampled_from([0, 5000, 60_000, 7]))  # classes, and an integer priority
+            tokens = draw(st.integers(1, 600))
+        drawn.append((enqueued + delay, enqueued, tokens,
+                      0 if alike else draw(st.sampled_from([0, 0, 0, NOW - 1, NOW + 1000]))))
     drawn.sort(key=lambda c: c[0])  # rank order; ties: by id, as Redis orders them
     candidates = [Candidate(id=f"r{i:02d}", tokens=tokens, enqueued_ms=enqueued,
                             expire_ms=expire, rank=rank)
@@ -139,8 +145,10 @@ def claim_cases(draw: st.DrawFn) -> tuple:
     """A lookahead case plus, per candidate, where it sits: queued, a retry whose backoff is
     over or not, or an orphan (pending with no state); and how far the claim looks ahead."""
     candidates, max_size, max_tokens, max_wait = draw(lookaheads())
-    kinds = [draw(st.sampled_from(["queued", "queued", "queued", "due", "not due", "orphan"]))
-             for _ in candidates]
+    alike = len({(c.tokens, c.delay_ms, c.expire_ms) for c in candidates}) == 1
+    kinds = (["queued"] * len(candidates) if alike and draw(st.booleans()) else
+             [draw(st.sampled_from(["queued", "queued", "queued", "due", "not due", "orphan"]))
+              for _ in candidates])
     estimated = [draw(st.booleans()) for _ in candidates]
     lookahead = draw(st.integers(1, len(candidates) + 1))
     return candidates, kinds, estimated, max_size, max_tokens, max_wait, lookahead

@@ -299,18 +299,39 @@ local function fair_settle(taken_ids, taken_scheds, n_unserved, stale, counts)
     touch(e[2], e[3], 0)
   end
   local by_tail = {}  -- taken requests by their entry's tail (the requests of one call share it)
-  local m = #members
-  for i, id in ipairs(taken_ids) do
-    local e = entry_of[taken_scheds[i]] or read_entry(taken_scheds[i])  -- (readable: taken)
+  local function group_of(raw)  -- (readable: taken)
+    local e = entry_of[raw] or read_entry(raw)
     local g = by_tail[e[3]]
     if not g then
       local s = e[4][5]
       g = {s = s, head = fair_member(s.class, s.tenant, s.rank, ''), n = 0, served = 0}
       by_tail[e[3]] = g
     end
-    if mode.listed then members[m + i] = g.head .. id end
+    return g, e
+  end
+  local m = #members
+  if mode.listed then
+    for i, id in ipairs(taken_ids) do members[m + i] = group_of(taken_scheds[i]).head .. id end
+  end
+  -- the served ones by runs of one entry text (those of one call with one count share
+  -- one), each run charged once
+  local function serve(raw, k)
+    local g, e = group_of(raw)
+    g.n, g.served = g.n + k, g.served + k * count_in(e[2])
+  end
+  local run_raw, run = nil, 0
+  for i = n_unserved + 1, #taken_ids do
+    local raw = taken_scheds[i]
+    if raw ~= run_raw then
+      if run > 0 then serve(run_raw, run) end
+      run_raw, run = raw, 0
+    end
+    run = run + 1
+  end
+  if run > 0 then serve(run_raw, run) end
+  for i = 1, n_unserved do
+    local g = group_of(taken_scheds[i])
     g.n = g.n + 1
-    if i > n_unserved then g.served = g.served + count_in(e[2]) end
   end
   for _, g in pairs(by_tail) do
     local s, tokens = g.s, g.served
@@ -481,6 +502,7 @@ local scheds = planned_scheds or rcall('HMGET', K.sched, unpack(ids))
 local expired, live, lengths, delays, unreadable, estimated = {}, {}, {}, {}, {}, {}
 local n_expired, n_live, n_unreadable, n_estimated = 0, 0, 0, 0  -- (no # per candidate: a search)
 local n_scheds, n_priced = 0, 0  -- candidates with an entry; of them, priced by estimate
+local n_applied = 0  -- candidates whose count this worker sent (ARGV)
 local head_enq = nil
 local function scan(first)
   for i = first, #ids do
@@ -499,6 +521,7 @@ local function scan(first)
         n_priced = n_priced + 1
         local count = counted[id]
         if count then  -- counted by this worker: exact from now on
+          n_applied = n_applied + 1
           is_estimated, tokens = false, count
           local exact = t[4][count]  -- the entry with this count, built once per count and tail
           if not exact then exact = count .. e[3]; t[4][count] = exact end
@@ -545,10 +568,11 @@ if price_estimates and n_estimated > 0 then
   return reply
 end
 
--- The live candidates by length, built once: of_length[l] the ones of length l in rank
--- order (.n of them), lens the lengths ascending, at[l] l's place in lens.
+-- The live candidates by length, built once (not when settled: below): of_length[l] the
+-- ones of length l in rank order (.n of them), lens the lengths ascending, at[l] l's place
+-- in lens.
 local of_length, lens, n_lens, at = {}, {}, 0, {}
-for j = 1, n_live do
+for j = 1, settled and 0 or n_live do
   local l = lengths[j]
   local list = of_length[l]
   if list then
@@ -618,10 +642,20 @@ local batch, chosen = {}, nil
 local wait = 0
 if n_live > 0 then
   local full
-  chosen, full = choose(1, {})
+  if settled then
+    -- all alike and none less urgent than the head: choose's walk takes them in rank
+    -- order while they fit (the head always), so the batch is the first k of them
+    local k = math.min(n_live, max_size, math.max(1, math.floor(max_tokens / lengths[1])))
+    chosen, full = {}, k >= max_size or k < n_live
+    for j = 1, k do chosen[j] = j end
+  else
+    chosen, full = choose(1, {})
+  end
   local waited = now - head_enq
   if not (full or planned) and waited < max_wait then
     wait, chosen = max_wait - waited, nil
+  elseif settled then
+    batch = chosen  -- (every candidate live: live[j] is j)
   else
     for n, j in ipairs(chosen) do batch[n] = live[j] end
   end
@@ -649,11 +683,17 @@ local function plan_next(lease_ms)
   return n_planned
 end
 
-local take, n_take = {}, 0
-for _, list in ipairs({expired, unreadable, batch}) do
-  for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
+-- the candidates taken, by index: the expired, the unreadable, then the batch
+local take, n_take = batch, #batch
+if n_expired + n_unreadable > 0 then
+  take, n_take = {}, 0
+  for _, list in ipairs({expired, unreadable, batch}) do
+    for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
+  end
 end
-if #counted_ids > 0 then
+if n_applied == #counted_ids and n_take == #ids then
+  counted = {}  -- every count was a candidate's, and every candidate is taken
+elseif #counted_ids > 0 then
   for _, i in ipairs(take) do counted[ids[i]] = nil end  -- taken: counted again by its worker
   write_counts()
 end
@@ -665,9 +705,12 @@ end
 
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
-local out_ids, out_scheds, counts = {}, {}, {}
-for n, i in ipairs(take) do
-  out_ids[n], out_scheds[n] = ids[i], scheds[i]
+local out_ids, out_scheds, counts = ids, scheds, {}
+if not (settled and n_take == #ids) then  -- (else every candidate is taken, in order)
+  out_ids, out_scheds = {}, {}
+  for n, i in ipairs(take) do
+    out_ids[n], out_scheds[n] = ids[i], scheds[i]
+  end
 end
 if n_unreadable == 0 then
   fair_settle(out_ids, out_scheds, n_expired, stale, counts)
@@ -693,8 +736,7 @@ rcall('HSET', K.lease_ids, token, earlier and earlier .. '\n' .. leased or lease
 rcall('ZADD', K.lease_expiry, expiry, token)
 add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
-                                    fmt_int(n_unreadable), table.concat(out_ids, '\n')}, '\n'),
-      'PX', lease_ms)
+                                    fmt_int(n_unreadable), leased}, '\n'), 'PX', lease_ms)
 -- the plan: this claim took its next batch (the rest stays), or read on and plans
 local read_on = not planned and not fair and #ids > window
 local n_planned = 0
