@@ -516,9 +516,10 @@ def test_claim_keeps_padded_tokens_within_the_budget(queue: RequestQueue) -> Non
 
 
 def test_alike_requests_are_taken_in_rank_order_while_they_fit(queue: RequestQueue) -> None:
-    """Requests of one length and class settle a claim with its first batch's worth: it
-    takes them in rank order while they fit the budget (the head always), and a batch the
-    budget cut short goes at once; one the lookahead cut short waits for company."""
+    """Requests of one length and class, as many as a batch holds or all there are: a
+    claim takes them in rank order while they fit the budget (the head always), and a
+    batch the budget cut short goes at once; one the lookahead or the queue cut short
+    waits for company."""
     queue.enqueue([Request.validated(id=f"e{i}", input=i, tokens=100) for i in range(10)], "c")
     # max_size 4, lookahead 4: the first 4 read, 2 of them fit 250 padded tokens
     cut = queue.claim("w#1", 4, 250, 60_000, 4)
@@ -528,7 +529,13 @@ def test_alike_requests_are_taken_in_rank_order_while_they_fit(queue: RequestQue
     held = queue.claim("w#4", 4, 10_000, 60_000, 2)  # 2 read, both fit, room for 2 more
     assert held.batch == [] and 50_000 < held.wait_ms <= 60_000
     assert [r.id for r in queue.claim("w#5", 4, 10_000, 0, 2).batch] == ["e7", "e8"]
-    assert set(queue.leases()) == {"w#1", "w#2", "w#3", "w#5"}
+    # fewer pending than a batch's worth, all read: the same rule
+    queue.enqueue([Request.validated(id=f"g{i}", input=i, tokens=100) for i in range(3)], "c")
+    assert [r.id for r in queue.claim("w#6", 8, 250, 60_000, 8).batch] == ["e9", "g0"]
+    held = queue.claim("w#7", 8, 10_000, 60_000, 8)
+    assert held.batch == [] and 50_000 < held.wait_ms <= 60_000
+    assert [r.id for r in queue.claim("w#8", 8, 10_000, 0, 8).batch] == ["g1", "g2"]
+    assert set(queue.leases()) == {"w#1", "w#2", "w#3", "w#5", "w#6", "w#8"}
 
 
 def test_a_partial_batch_waits_for_company_up_to_max_wait(queue: RequestQueue) -> None:

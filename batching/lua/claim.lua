@@ -545,11 +545,14 @@ local function scan(first)
   end
 end
 scan(1)
-local settled = n_live == window
+-- alike: every candidate read is live, of the head's length and no less urgent; settled:
+-- alike and a batch's worth of them (no later candidate could displace one)
+local alike = n_live == #ids
 for j = 2, n_live do
-  if not settled then break end
-  settled = lengths[j] == lengths[1] and delays[j] <= delays[1]
+  if not alike then break end
+  alike = lengths[j] == lengths[1] and delays[j] <= delays[1]
 end
+local settled = alike and n_live == window
 if not settled and not planned and #ids == window and window < lookahead then
   local more = pending_ids(window, lookahead - window)
   stale = fair and fair.stale or stale
@@ -568,11 +571,11 @@ if price_estimates and n_estimated > 0 then
   return reply
 end
 
--- The live candidates by length, built once (not when settled: below): of_length[l] the
+-- The live candidates by length, built once (not when alike: below): of_length[l] the
 -- ones of length l in rank order (.n of them), lens the lengths ascending, at[l] l's place
 -- in lens.
 local of_length, lens, n_lens, at = {}, {}, 0, {}
-for j = 1, settled and 0 or n_live do
+for j = 1, alike and 0 or n_live do
   local l = lengths[j]
   local list = of_length[l]
   if list then
@@ -642,9 +645,9 @@ local batch, chosen = {}, nil
 local wait = 0
 if n_live > 0 then
   local full
-  if settled then
-    -- all alike and none less urgent than the head: choose's walk takes them in rank
-    -- order while they fit (the head always), so the batch is the first k of them
+  if alike then
+    -- (alike: set before any read on) choose's walk would take them in rank order while
+    -- they fit, the head always: the batch is the first k of them
     local k = math.min(n_live, max_size, math.max(1, math.floor(max_tokens / lengths[1])))
     chosen, full = {}, k >= max_size or k < n_live
     for j = 1, k do chosen[j] = j end
@@ -654,7 +657,7 @@ if n_live > 0 then
   local waited = now - head_enq
   if not (full or planned) and waited < max_wait then
     wait, chosen = max_wait - waited, nil
-  elseif settled then
+  elseif alike then
     batch = chosen  -- (every candidate live: live[j] is j)
   else
     for n, j in ipairs(chosen) do batch[n] = live[j] end
@@ -706,7 +709,7 @@ end
 local lease_ms = math.floor(setting(K.settings, 'lease_seconds', tonumber(ARGV[6])) * 1000)
 local expiry = fmt_int(now + lease_ms)  -- one lease expiry for the batch, formatted once
 local out_ids, out_scheds, counts = ids, scheds, {}
-if not (settled and n_take == #ids) then  -- (else every candidate is taken, in order)
+if not (alike and n_take == #ids) then  -- (else every candidate is taken, in order)
   out_ids, out_scheds = {}, {}
   for n, i in ipairs(take) do
     out_ids[n], out_scheds[n] = ids[i], scheds[i]
