@@ -8,10 +8,8 @@
   after REFRESH_S, so a producer started before its workers counts as soon as they
   announce one;
 - ``exact_counts``: a worker that counts re-prices the estimated requests before any batch
-  is chosen (batching/lua/claim.lua's pricing round), save a claim that leases all that is
-  pending as priced (fewer than a batch's worth, alike, within the budget: no count could
-  change the choice, and the worker splits a batch whose exact count busts the budget); an
-  input its tokenizer cannot take keeps its estimate and fails alone when it runs.
+  is chosen (batching/lua/claim.lua's pricing round); an input its tokenizer cannot take
+  keeps its estimate and fails alone when it runs.
 """
 
 from __future__ import annotations

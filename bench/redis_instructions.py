@@ -1,9 +1,10 @@
 """redis-server's instructions per request, by part: a count that a shared machine's noise
 does not move, for comparing two versions of the scripts.
 
-``python -m bench.redis_instructions [-n N] [--backlog B] [--exact] [--text]`` starts a private redis-server
-under valgrind's callgrind (it must be installed) and drives the scripts in the shapes
-the defaults give them, one call at a time: enqueues of 500, claims of 64 by a worker that
+``python -m bench.redis_instructions [-n N] [--backlog B] [--enqueue E] [--exact] [--text]``
+starts a private redis-server under valgrind's callgrind (it must be installed) and
+drives the scripts in the shapes the defaults give them, one call at a time: enqueues of
+500 (or E), claims of 64 by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
 commits of 64 with the worker holding two batches, result delivery as the Client does
 it (pop the reply list, delete the results read), B requests (default 1,000) standing
@@ -52,7 +53,7 @@ UNIT_KEY_SIZE = 100_000
 
 
 def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bool = False,
-          text: bool = False) -> None:
+          text: bool = False, enqueue_batch: int = ENQUEUE_BATCH) -> None:
     """n requests through the scripts; ``dump(part)`` after each call. ``exact``: the
     producer counts tokens (as one with transformers does), else it estimates. ``text``:
     each input a standard-library paragraph (bench.corpus), counted by its words
@@ -65,8 +66,8 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
         values = [texts[first + i] if texts else i for i in range(lo, hi)]
         return [Request(id=f"{prefix}{i}", input=v, **({"tokens": words(v)} if exact else {}))
                 for i, v in zip(range(lo, hi), values)]
-    for lo in range(0, backlog, ENQUEUE_BATCH):
-        queue.enqueue(requests("b", lo, min(backlog, lo + ENQUEUE_BATCH), n), "bench")
+    for lo in range(0, backlog, enqueue_batch):
+        queue.enqueue(requests("b", lo, min(backlog, lo + enqueue_batch), n), "bench")
     dump("")  # the backlog's enqueues are not counted
     ahead: list[Any] = []
     claims = 0
@@ -75,8 +76,8 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
         """As the worker claims with its defaults, the head not held (max_wait_ms 0)."""
         return queue.claim(token, DEFAULTS.max_batch_size, DEFAULTS.max_batch_tokens, 0,
                            DEFAULTS.claim_lookahead, True, counts)
-    for lo in range(0, n, ENQUEUE_BATCH):
-        size = min(ENQUEUE_BATCH, n - lo)
+    for lo in range(0, n, enqueue_batch):
+        size = min(enqueue_batch, n - lo)
         queue.enqueue(requests("r", lo, lo + size, 0), "bench")
         dump("enqueue")
         got, held = 0, []
@@ -201,18 +202,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
     p.add_argument("--backlog", type=int, default=1000, help="requests standing in the queue")
+    p.add_argument("--enqueue", type=int, default=ENQUEUE_BATCH, help="requests per enqueue call "
+                   f"(default {ENQUEUE_BATCH}; fewer than a batch with --backlog 0: a worker that "
+                   "keeps up, each claim taking all that is pending)")
     p.add_argument("--text", action="store_true", help="inputs of varied length, counted by their "
                    "words: standard-library paragraphs (default: integers, one token each)")
     p.add_argument("--exact", action="store_true",
                    help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
-    used = count(functools.partial(drive, exact=args.exact, text=args.text), args.n, args.backlog)
+    used = count(functools.partial(drive, exact=args.exact, text=args.text,
+                                   enqueue_batch=args.enqueue), args.n, args.backlog)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
-          f"{args.backlog:,}; {'paragraphs' if args.text else 'integers'}; "
+          f"{args.backlog:,}, enqueues of {args.enqueue:,}; {'paragraphs' if args.text else 'integers'}; "
           f"the producer {'counts tokens' if args.exact else 'estimates'}; "
           f"{common.machine()}):\n")
     print(parts_table(used))
-    common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog, "exact": args.exact,
+    common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog,
+                                       "enqueue": args.enqueue, "exact": args.exact,
                                        "text": args.text,
                                        **used})
     return used

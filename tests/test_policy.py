@@ -24,14 +24,16 @@ LATER = 10 ** 13  # a "now" past every wait: the rule's choice when a claim leas
 @st.composite
 def lookaheads(draw: st.DrawFn) -> tuple[list[Candidate], int, int, int]:
     n = draw(st.integers(0, 40))
-    # a third of the cases alike: one length, one class, no deadline (a claim settled by its
-    # first batch's worth takes its own path)
+    # a third of the cases alike: one length, no deadline, realtime and normal only (a claim
+    # whose candidates are alike and none less urgent than the head takes its own path)
     alike = draw(st.sampled_from([False, False, True]))
-    tokens, delay = draw(st.integers(1, 600)), draw(st.sampled_from([0, 5000, 60_000, 7]))
+    tokens = draw(st.integers(1, 600))
     drawn = []
     for _ in range(n):
         enqueued = NOW - draw(st.integers(0, 70_000))
-        if not alike:
+        if alike:
+            delay = draw(st.sampled_from([0, 5000]))
+        else:
             delay = draw(st.sampled_from([0, 5000, 60_000, 7]))  # classes, and an integer priority
             tokens = draw(st.integers(1, 600))
         drawn.append((enqueued + delay, enqueued, tokens,
@@ -145,7 +147,7 @@ def claim_cases(draw: st.DrawFn) -> tuple:
     """A lookahead case plus, per candidate, where it sits: queued, a retry whose backoff is
     over or not, or an orphan (pending with no state); and how far the claim looks ahead."""
     candidates, max_size, max_tokens, max_wait = draw(lookaheads())
-    alike = len({(c.tokens, c.delay_ms, c.expire_ms) for c in candidates}) == 1
+    alike = len({(c.tokens, c.expire_ms) for c in candidates}) == 1
     kinds = (["queued"] * len(candidates) if alike and draw(st.booleans()) else
              [draw(st.sampled_from(["queued", "queued", "queued", "due", "not due", "orphan"]))
               for _ in candidates])

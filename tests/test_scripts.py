@@ -413,11 +413,10 @@ def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_
         queue: RequestQueue) -> None:
     """The candidates a full batch left were counted with this claim and stay exact: they
     are not handed ahead again. After a claim of exact candidates nothing is handed ahead,
-    even with an estimated request next in line: it gets its pricing round, unless it is
-    all there is (leased as priced: test_a_claim_that_leases_all_that_is_pending_as_priced_needs_no_count)."""
+    even with an estimated request next in line: it gets its pricing round."""
     def request(i: int, exact: bool) -> Request:
-        return Request.validated(id=f"r{i}", input="abcdef"[i], **({"tokens": 1} if exact else {}))
-    queue.enqueue([request(i, exact) for i, exact in enumerate([0, 0, 0, 1, 0, 0])])
+        return Request.validated(id=f"r{i}", input="abcde"[i], **({"tokens": 1} if exact else {}))
+    queue.enqueue([request(i, exact) for i, exact in enumerate([0, 0, 0, 1, 0])])
     priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
     assert [i for i, _ in priced.to_price] == ["r0", "r1"]
     first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
@@ -428,36 +427,7 @@ def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_
     assert [(r.id, r.tokens) for r in second.batch] == [("r2", 1), ("r3", 1)]
     assert second.price_ahead == []  # its candidates were exact
     third = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True)
-    assert third.to_price == [("r4", "e"), ("r5", "f")] and third.batch == []
-
-
-def test_a_claim_that_leases_all_that_is_pending_as_priced_needs_no_count(
-        queue: RequestQueue) -> None:
-    """Fewer estimated requests than a batch holds, alike and within the budget together:
-    the claim leases them all on their estimates (a count could change only whether they
-    fit, and the worker splits a batch whose exact count busts the budget). More than a
-    batch's worth, over the budget together, or of varied lengths: a pricing round."""
-    def estimated(prefix: str, *texts: str) -> list[Request]:
-        return [Request.validated(id=f"{prefix}{i}", input=t) for i, t in enumerate(texts)]
-    queue.enqueue(estimated("a", "x", "y", "z"))  # estimated at 2 each
-    reply = queue.claim("w#1", 4, 10_000, 0, 4, price_estimates=True)
-    assert [(r.id, r.tokens) for r in reply.batch] == [("a0", 2), ("a1", 2), ("a2", 2)]
-    assert reply.to_price == [] and reply.price_ahead == []
-    queue.enqueue(estimated("b", "v", "w", "x", "y", "z"))  # more than a batch's worth
-    assert [i for i, _ in queue.claim("w#2", 4, 10_000, 0, 4, price_estimates=True).to_price] \
-        == ["b0", "b1", "b2", "b3"]
-    queue.cancel([f"b{i}" for i in range(5)])
-    queue.enqueue(estimated("c", "x", "y", "z"))  # 3 x 2 tokens over a budget of 5
-    assert len(queue.claim("w#3", 4, 5, 0, 4, price_estimates=True).to_price) == 3
-    queue.cancel([f"c{i}" for i in range(3)])
-    queue.enqueue(estimated("d", "x", "y" * 40))  # estimated at 2 and 12
-    assert len(queue.claim("w#4", 4, 10_000, 0, 4, price_estimates=True).to_price) == 2
-    queue.cancel(["d0", "d1"])
-    # two tenants sharing the class: fair share charges what is claimed, so it is counted
-    queue.enqueue([Request.validated(id=f"e{i}", input="xy"[i % 2], tenant=f"t{i % 2}")
-                   for i in range(4)])
-    assert len(queue.claim("w#5", 8, 10_000, 0, 8, price_estimates=True).to_price) == 4
-    assert set(queue.leases()) == {"w#1"}
+    assert third.to_price == [("r4", "e")] and third.batch == []
 
 
 def test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first(

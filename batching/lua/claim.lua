@@ -19,8 +19,7 @@
 --         claim stops at a batch's worth when those settle the batch, see below)
 -- ARGV[6] default lease_seconds
 -- ARGV[7] 1: this worker counts tokens exactly, so estimated candidates are handed to it
---         to price before any batch is chosen (unless it leases all that is pending as
---         priced: "as_priced" below); 0: choose on estimates
+--         to price before any batch is chosen; 0: choose on estimates
 -- ARGV[8] rank ceiling: lease nothing ranked above it ('' none). A sharded queue's
 --         claimer passes the next shard's head rank + SHARD_SLACK_MS (batching/sharded.py)
 --         so no shard's head is overtaken by much later requests of another (save by
@@ -563,14 +562,7 @@ if not settled and not planned and #ids == window and window < lookahead then
     scan(window + 1)
   end
 end
--- A claim that leases every request pending as they are priced needs no count: all were
--- read (fewer than a batch's worth), they are alike and fit the budget together, so a
--- count could change only whether they fit, and a worker splits a batch whose exact count
--- busts the budget (workers/claiming.py prepare). A keeping-up worker's claims are these.
--- Not with fair share or token rates in play (they charge the tokens claimed).
-local as_priced = alike and #ids < window and not (planned or fair or rated)
-                  and n_live * lengths[1] <= max_tokens
-if price_estimates and n_estimated > 0 and not as_priced then
+if price_estimates and n_estimated > 0 then
   write_counts()
   local reply = {now, -2, 0}
   for n, id in ipairs(estimated) do reply[3 + n] = id end
