@@ -561,12 +561,14 @@ end
 -- maxmemory refuses a script whose first write may grow memory, and one that first frees
 -- some, such as a worker giving back its requests (fail, release), must still run.)
 -- lease_put(K, token, left): after the HDEL, what the lease still holds (none: it ends).
+-- `ids`: the lease's ids as this call read them (lease_read), so it is not read twice.
 local function lease_put(K, token, left)
   if #left == 0 then rcall('ZREM', K.lease_expiry, token)
   else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
 end
-local function lease_drop(K, token, gone)
-  local ids, left = lease_read(K, token), {}
+local function lease_drop(K, token, gone, ids)
+  local left = {}
+  ids = ids or lease_read(K, token)
   for _, id in ipairs(ids) do
     if not gone[id] then left[#left + 1] = id end
   end
@@ -578,9 +580,9 @@ end
 -- whether the claim `token` holds id (and the call has not let go of it);
 -- book.let_go(id, token); book.settle() writes what each lease holds then.
 local function lease_book(K)
-  local held, gone, book = {}, {}, {}
+  local read, held, gone, book = {}, {}, {}, {}  -- token -> its ids, as a set, let go of
   function book.holds(id, token)
-    if not held[token] then held[token], gone[token] = select(2, lease_read(K, token)), {} end
+    if not held[token] then read[token], held[token] = lease_read(K, token); gone[token] = {} end
     return held[token][id] == true and not gone[token][id]
   end
   function book.let_go(id, token)
@@ -602,7 +604,7 @@ local function lease_book(K)
   end
   function book.settle()
     for token, ids in pairs(gone) do
-      if next(ids) then lease_drop(K, token, ids) end
+      if next(ids) then lease_drop(K, token, ids, read[token]) end
     end
   end
   return book

@@ -646,8 +646,9 @@ local wait = 0
 if n_live > 0 then
   local full
   if alike then
-    -- (alike: set before any read on) choose's walk would take them in rank order while
-    -- they fit, the head always: the batch is the first k of them
+    -- choose's walk would take them in rank order while they fit, the head always: the
+    -- batch is the first k of them (alike candidates never read on: a batch's worth of
+    -- them is settled)
     local k = math.min(n_live, max_size, math.max(1, math.floor(max_tokens / lengths[1])))
     chosen, full = {}, k >= max_size or k < n_live
     for j = 1, k do chosen[j] = j end

@@ -42,11 +42,12 @@ end
 -- What each token's lease still holds of its ids: all of them when the lease is exactly
 -- its ids in order (a batch committed whole, the common case: one string compared, no id
 -- looked up), else the set the lease holds.
-local holds, gone = {}, {}  -- gone: token -> the ids committed of a lease held in part
+local holds, gone, read = {}, {}, {}  -- gone, read: token -> the ids committed of a lease
+-- held in part, and the lease's ids as read
 for token, mine in pairs(of_token) do
   local leased = rcall('HGET', K.lease_ids, token)
   if leased == table.concat(mine, '\n') then holds[token] = true
-  else holds[token], gone[token] = select(2, split_ids(leased or '')), {} end
+  else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
 
 local done, flags, replies, replayed = {}, {}, {}, false
@@ -86,7 +87,7 @@ if #done > 0 then forget(K, done, true) end
 -- ones committed
 for token, held in pairs(holds) do
   if held == true then lease_end(K, token)
-  elseif next(gone[token]) then lease_drop(K, token, gone[token]) end
+  elseif next(gone[token]) then lease_drop(K, token, gone[token], read[token]) end
 end
 if not replayed then
   for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
