@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import Reaped
+from batchery.batching.calls import Cancelled, Reaped
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
@@ -178,6 +181,42 @@ def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue
     assert queue.reap().requeued == [claimed[0].id]
     assert not conn.zcard(k.leased) and not conn.hlen(k.owner)
     assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["r0", "r1"]
+
+
+PLANTED = {"hash": lambda c, k: c.hset(k, "f", "v"), "list": lambda c, k: c.rpush(k, "v"),
+           "set": lambda c, k: c.sadd(k, "v"), "sorted set": lambda c, k: c.zadd(k, {"v": 1}),
+           "string": lambda c, k: c.set(k, "stale")}
+EXAMPLES = itertools.count()  # fresh ids for each example on the one queue
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kinds=st.lists(st.sampled_from(sorted(PLANTED)), min_size=1, max_size=4))
+def test_a_result_key_holding_anything_is_overwritten_and_blocks_no_commit(
+        queue: RequestQueue, kinds: list[str]) -> None:
+    """Whatever a request's result key holds before it ends (damaged, or written by
+    another program: any type), its result is stored over it with its TTL, whether
+    committed, cancelled or dead-lettered, and its batch-mates' results are stored too.
+    (SET's GET option, which would spare Lua the OK reply's table, refuses a key of another
+    type: a script error that would fail the whole batch's commit, again at every retry.)"""
+    n = next(EXAMPLES)
+    done = [f"x{n}-{i}" for i in range(2 * len(kinds))]
+    cancelled, dead = f"x{n}-cancelled", f"x{n}-dead"
+    queue.update_settings(max_attempts=1)
+    queue.enqueue([Request.validated(id=i, input=i) for i in [*done, cancelled, dead]], "")
+    conn, k = queue.client, queue.keys
+    planted = [*done[1::2], cancelled, dead]
+    for request_id, kind in zip(planted, [*kinds, kinds[0], kinds[-1]]):
+        PLANTED[kind](conn, k.result(request_id))
+    assert queue.cancel([cancelled]) == [Cancelled.QUEUED]
+    claimed = {r.id: r for r in queue.claim(f"w#{n}", 100, 1_000_000, 0, 100).batch}
+    assert sorted(claimed) == sorted([*done, dead])
+    assert ok(queue, [claimed[i] for i in done]) == [True] * len(done)
+    dead_json = Result(dead, "dead", error={"type": "E", "message": "boom"}, attempts=1).to_json()
+    assert queue.fail([(dead, claimed[dead].lease_token, dead_json)]) == [2]
+    assert [queue.result(i).status for i in [*done, cancelled, dead]] == \
+        ["ok"] * len(done) + ["cancelled", "dead"]
+    for request_id in planted:
+        assert conn.type(k.result(request_id)) == "string" and conn.ttl(k.result(request_id)) > 0
 
 
 def test_fail_backs_off_then_dead_letters_and_revive_purge(queue: RequestQueue) -> None:
