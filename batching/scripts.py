@@ -1,7 +1,8 @@
 """The Lua scripts, loaded once per connection and called by EVALSHA (reloaded on NOSCRIPT).
 
 Each ``lua/<name>.lua`` states its keys, ARGV and return shape in its header;
-``lua/_common.lua`` holds the helpers they share and is prepended to each. The order of
+``lua/_common.lua`` holds the helpers they share; each script is sent with those it uses
+(``helpers_for``). The order of
 each script's fixed KEYS is written once, in ``FIXED_KEYS``: the script reads them by name
 (``K.pending``), and batching/calls.py builds them from the same table.
 """
@@ -9,6 +10,7 @@ each script's fixed KEYS is written once, in ``FIXED_KEYS``: the script reads th
 from __future__ import annotations
 
 import inspect
+import re
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -51,12 +53,61 @@ NAMES = tuple(FIXED_KEYS)
 
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
-    """The script as Redis runs it: the shared helpers, its keys by name, its own code."""
+    """The script as Redis runs it: the shared helpers it uses, its keys by name, its own code."""
     folder = resources.files("batchery.batching") / "lua"
     names = ", ".join(f"'{key}'" for key in FIXED_KEYS[name])
-    return "\n".join([(folder / "_common.lua").read_text(),
-                      f"local K, FIXED = named_keys({{{names}}})",
-                      (folder / f"{name}.lua").read_text()])
+    own = "\n".join([f"local K, FIXED = named_keys({{{names}}})",
+                     (folder / f"{name}.lua").read_text()])
+    return "\n".join([helpers_for(own, (folder / "_common.lua").read_text()), own])
+
+
+_DEFINITION = re.compile(r"local (?:function (\w+)|([\w, ]+?) *=)")
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+_COMMENT = re.compile(r"""('(?:\\.|[^'\\])*'|"(?:\\.|[^"\\])*")|--[^\n]*""")
+
+
+def _words(code: str) -> set[str]:
+    """Every name ``code`` mentions outside its comments (in its strings too: a helper more
+    at worst, never one fewer)."""
+    return set(_WORD.findall(_COMMENT.sub(lambda m: m.group(1) or "", code)))
+
+
+def helpers_for(code: str, common: str) -> str:
+    """The top-level definitions of ``common`` (each ``local`` at the start of a line, with
+    the comment above it) that ``code`` uses, directly or through one another, in their
+    order. A script runs its whole text at every call: each helper it defines is a closure
+    made again, and made dearer by every other one before it (a third of a small call's
+    cost with all of them), so a script is sent with the ones it names. Every name the
+    code or a definition mentions outside a comment counts as used (a local or a string
+    of the same name pulls one in for nothing), so none that is used is ever left out."""
+    lines = common.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.startswith("local ")]
+    bounds: list[int] = []  # where each definition's text starts: its comment, if any
+    for start in starts:
+        b = start
+        while b > (bounds[-1] if bounds else 0) + 1 and lines[b - 1].startswith("--"):
+            b -= 1
+        bounds.append(b)
+    bounds[0] = 0  # the file's own header goes with the first
+    units = []
+    for k, b in enumerate(bounds):
+        text = "".join(lines[b:bounds[k + 1] if k + 1 < len(bounds) else len(lines)])
+        match = _DEFINITION.match(lines[starts[k]])
+        if not match:
+            raise ValueError(f"_common.lua: cannot read the definition {lines[starts[k]]!r}")
+        defines = ({match.group(1)} if match.group(1)
+                   else {n.strip() for n in match.group(2).split(",")})
+        units.append((defines, _words(text), text))
+    used, taken, grew = _words(code), [False] * len(units), True
+    while grew:  # until every name the text sent mentions is defined in it
+        grew = False
+        for k, (defines, words, _) in enumerate(units):
+            if not taken[k] and defines & used:
+                taken[k] = grew = True
+                used |= words
+    return "".join(text for (_, _, text), take in zip(units, taken) if take)
 
 
 class Scripts:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from importlib import resources
 from typing import Iterator
 
 import pytest
@@ -11,7 +13,7 @@ from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request
 from batchery.batching.calls import Reaped
 from batchery.batching.queue import RequestQueue
-from batchery.batching.scripts import NAMES, Scripts, source
+from batchery.batching.scripts import NAMES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
@@ -246,6 +248,42 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
     assert queue.renew("w", []) == []
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
+
+
+COMMON = '''-- header
+local rcall = redis.call
+
+-- one
+local function one() return rcall('TIME') end
+local A, B = 1, 2
+-- two uses one
+local function two() return one() + A end
+local function unused() return B end
+'''
+
+
+def test_a_script_is_sent_with_the_helpers_it_names_and_those_they_name() -> None:
+    assert helpers_for("return two()", COMMON) == COMMON.replace(
+        "local function unused() return B end\n", "")
+    assert helpers_for("return 1", COMMON) == ""
+    assert helpers_for("return A", COMMON) == "local A, B = 1, 2\n"
+    assert helpers_for("return one()", COMMON) == COMMON.split("local A")[0]
+
+
+def test_every_script_compiles_with_each_helper_it_names(rconn: redis.Redis) -> None:
+    """Whatever helper a script names outside a comment (itself or through another), it is
+    sent with it: a name left out would be a global, an error only when that line runs."""
+    common = (resources.files("batchery.batching") / "lua" / "_common.lua").read_text()
+    defined = {n.strip() for m in re.finditer(r"^local (?:function (\w+)|([\w, ]+?) *=)", common, re.M)
+               for n in (m.group(1) or m.group(2)).split(",")}
+    for name in NAMES:
+        text = source(name)
+        rconn.script_load(text)
+        sent = {n.strip() for m in re.finditer(r"^local (?:function (\w+)|([\w, ]+?) *=)", text, re.M)
+                for n in (m.group(1) or m.group(2)).split(",")}
+        named = set(re.findall(r"[A-Za-z_]\w*", re.sub(r"--[^\n]*", "", text))) & defined
+        assert named <= sent, (name, named - sent)
+    assert "local function fair_list(" not in source("complete")  # not all of them
 
 
 def test_stats_and_forget_workers_read_the_queues_own_clock(private_redis: RedisServer,
