@@ -1,10 +1,10 @@
 """redis-server's instructions per request, by part: a count that a shared machine's noise
 does not move, for comparing two versions of the scripts.
 
-``python -m bench.redis_instructions [-n N] [--backlog B] [--enqueue E] [--exact] [--text]``
+``python -m bench.redis_instructions [-n N] [--backlog B] [--enqueue E] [--batch C] [--exact] [--text]``
 starts a private redis-server under valgrind's callgrind (it must be installed) and
 drives the scripts in the shapes the defaults give them, one call at a time: enqueues of
-500 (or E), claims of 64 by a worker that
+500 (or E), claims of 64 (or C) by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
 commits of 64 with the worker holding two batches, result delivery as the Client does
 it (pop the reply list, delete the results read), B requests (default 1,000) standing
@@ -53,7 +53,8 @@ UNIT_KEY_SIZE = 100_000
 
 
 def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bool = False,
-          text: bool = False, enqueue_batch: int = ENQUEUE_BATCH) -> None:
+          text: bool = False, enqueue_batch: int = ENQUEUE_BATCH,
+          claim_size: int = DEFAULTS.max_batch_size) -> None:
     """n requests through the scripts; ``dump(part)`` after each call. ``exact``: the
     producer counts tokens (as one with transformers does), else it estimates. ``text``:
     each input a standard-library paragraph (bench.corpus), counted by its words
@@ -74,7 +75,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
 
     def claim(token: str, counts: list[tuple[str, int]]) -> Any:
         """As the worker claims with its defaults, the head not held (max_wait_ms 0)."""
-        return queue.claim(token, DEFAULTS.max_batch_size, DEFAULTS.max_batch_tokens, 0,
+        return queue.claim(token, claim_size, DEFAULTS.max_batch_tokens, 0,
                            DEFAULTS.claim_lookahead, True, counts)
     for lo in range(0, n, enqueue_batch):
         size = min(enqueue_batch, n - lo)
@@ -205,20 +206,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--enqueue", type=int, default=ENQUEUE_BATCH, help="requests per enqueue call "
                    f"(default {ENQUEUE_BATCH}; fewer than a batch with --backlog 0: a worker that "
                    "keeps up, each claim taking all that is pending)")
+    p.add_argument("--batch", type=int, default=DEFAULTS.max_batch_size, help="requests a claim "
+                   f"takes at most (default the worker's {DEFAULTS.max_batch_size}; 1: what a call "
+                   "costs whatever it carries)")
     p.add_argument("--text", action="store_true", help="inputs of varied length, counted by their "
                    "words: standard-library paragraphs (default: integers, one token each)")
     p.add_argument("--exact", action="store_true",
                    help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
     used = count(functools.partial(drive, exact=args.exact, text=args.text,
-                                   enqueue_batch=args.enqueue), args.n, args.backlog)
+                                   enqueue_batch=args.enqueue, claim_size=args.batch), args.n, args.backlog)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "
-          f"{args.backlog:,}, enqueues of {args.enqueue:,}; {'paragraphs' if args.text else 'integers'}; "
+          f"{args.backlog:,}, enqueues of {args.enqueue:,}, claims of {args.batch:,}; "
+          f"{'paragraphs' if args.text else 'integers'}; "
           f"the producer {'counts tokens' if args.exact else 'estimates'}; "
           f"{common.machine()}):\n")
     print(parts_table(used))
     common.save("redis_instructions", {"requests": args.n, "backlog": args.backlog,
-                                       "enqueue": args.enqueue, "exact": args.exact,
+                                       "enqueue": args.enqueue, "batch": args.batch,
+                                       "exact": args.exact,
                                        "text": args.text,
                                        **used})
     return used
