@@ -63,8 +63,6 @@ def source(name: str) -> str:
 
 _DEFINITION = re.compile(r"local (?:function (\w+)|([\w, ]+?) *=)")
 _WORD = re.compile(r"[A-Za-z_]\w*")
-
-
 _COMMENT = re.compile(r"""('(?:\\.|[^'\\])*'|"(?:\\.|[^"\\])*")|--[^\n]*""")
 
 
@@ -84,10 +82,10 @@ def helpers_for(code: str, common: str) -> str:
     of the same name pulls one in for nothing), so none that is used is ever left out."""
     lines = common.splitlines(keepends=True)
     starts = [i for i, line in enumerate(lines) if line.startswith("local ")]
-    bounds: list[int] = []  # where each definition's text starts: its comment, if any
+    bounds: list[int] = []  # where each definition's text starts: the comment above it
     for start in starts:
         b = start
-        while b > (bounds[-1] if bounds else 0) + 1 and lines[b - 1].startswith("--"):
+        while b > 0 and lines[b - 1].startswith("--"):
             b -= 1
         bounds.append(b)
     bounds[0] = 0  # the file's own header goes with the first
