@@ -6,7 +6,7 @@ starts a private redis-server under valgrind's callgrind (it must be installed) 
 drives the scripts in the shapes the defaults give them, one call at a time: enqueues of
 500 (or E), claims of 64 (or C) by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
-commits of 64 with the worker holding two batches, result delivery as the Client does
+commits of as many with the worker holding two batches, result delivery as the Client does
 it (pop the reply list, delete the results read), B requests (default 1,000) standing
 in the queue throughout, as in ``bench.redis_time``'s run; ``--exact``: the producer
 counts tokens, as one with transformers does (else it estimates); ``--text``: the inputs
@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--exact", action="store_true",
                    help="the producer counts tokens (default: it estimates, as one without transformers)")
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error("--batch must be at least 1")
     used = count(functools.partial(drive, exact=args.exact, text=args.text,
                                    enqueue_batch=args.enqueue, claim_size=args.batch), args.n, args.backlog)
     print(f"\nredis-server instructions per request ({args.n:,} requests, a standing backlog of "

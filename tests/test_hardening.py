@@ -212,16 +212,19 @@ def test_a_retried_cancel_reports_the_cancel(queue: RequestQueue,
 # Prepended to each script: every keyed command must name a key the caller declared in
 # KEYS, as Redis Cluster demands (a standalone Redis does not check).
 STRICT = """
-local unchecked_call = redis.call
+local unchecked = {call = redis.call, pcall = redis.pcall}
 local declared_keys = {}
 for _, key in ipairs(KEYS) do declared_keys[key] = true end
-local redis = {call = function(command, ...)
-  local key = ...
-  if command ~= 'TIME' and command ~= 'INFO' and not declared_keys[key] then
-    error('undeclared key ' .. tostring(key) .. ' in ' .. command)
+local function checked(how)
+  return function(command, ...)
+    local key = ...
+    if command ~= 'TIME' and command ~= 'INFO' and not declared_keys[key] then
+      error('undeclared key ' .. tostring(key) .. ' in ' .. command)
+    end
+    return unchecked[how](command, ...)
   end
-  return unchecked_call(command, ...)
-end}
+end
+local redis = {call = checked('call'), pcall = checked('pcall')}
 """
 
 
@@ -256,7 +259,7 @@ local rcall = redis.call
 -- one
 local function one() return rcall('TIME') end
 local A, B = 1, 2
--- two uses one
+-- two uses one (not unused)
 local function two() return one() + A end
 local function unused() return B end
 '''
@@ -268,6 +271,9 @@ def test_a_script_is_sent_with_the_helpers_it_names_and_those_they_name() -> Non
     assert helpers_for("return 1", COMMON) == ""
     assert helpers_for("return A", COMMON) == "local A, B = 1, 2\n"
     assert helpers_for("return one()", COMMON) == COMMON.split("local A")[0]
+    for line in ("x = 1", "local a = 1; local b = 2", "local s = [[x]]", "--[[ old ]]"):
+        with pytest.raises(ValueError, match="cannot cut"):
+            helpers_for("return 1", COMMON + line + "\n")
 
 
 def test_every_script_compiles_with_each_helper_it_names(rconn: redis.Redis) -> None:

@@ -20,7 +20,7 @@ from tests.conftest import RedisServer, free_port, run_cli, start_worker, stop_p
 from tests.test_client import BackgroundWorker
 
 # Room between the default high-water mark (0.9) and maxmemory for what a worker that starts
-# there needs: its scripts (each carries _common.lua: about 0.3 MiB cached), its connections'
+# there needs: its scripts (each with the helpers of _common.lua it names), its connections'
 # buffers and its first results, about 0.65 MiB in all; at 8 MiB the test's 0.93 left 0.55.
 MAXMEMORY = 16 << 20
 

@@ -195,27 +195,33 @@ def test_a_result_key_holding_anything_is_overwritten_and_blocks_no_commit(
         queue: RequestQueue, kinds: list[str]) -> None:
     """Whatever a request's result key holds before it ends (damaged, or written by
     another program: any type), its result is stored over it with its TTL, whether
-    committed, cancelled or dead-lettered, and its batch-mates' results are stored too.
+    committed, cancelled or dead-lettered, and its batch-mates' results are stored too;
+    a late result for such a key (its lease lost), a cancel of an id that has one and a
+    lookup of it fail that id alone, not the call.
     (SET's GET option, which would spare Lua the OK reply's table, refuses a key of another
     type: a script error that would fail the whole batch's commit, again at every retry.)"""
     n = next(EXAMPLES)
-    done = [f"x{n}-{i}" for i in range(2 * len(kinds))]
-    cancelled, dead = f"x{n}-cancelled", f"x{n}-dead"
-    queue.update_settings(max_attempts=1)
-    queue.enqueue([Request.validated(id=i, input=i) for i in [*done, cancelled, dead]], "")
-    conn, k = queue.client, queue.keys
-    planted = [*done[1::2], cancelled, dead]
-    for request_id, kind in zip(planted, [*kinds, kinds[0], kinds[-1]]):
+    q = RequestQueue(queue.client, f"{queue.name}x{n}")  # each example on a queue of its own
+    done = [f"d{i}" for i in range(2 * len(kinds))]
+    planted = [*done[1::2], "cancelled", "dead", "unknown"]
+    q.update_settings(max_attempts=1)
+    q.enqueue([Request.validated(id=i, input=i) for i in [*done, "cancelled", "dead"]], "")
+    conn, k = q.client, q.keys
+    for request_id, kind in zip(planted, [*kinds, kinds[0], kinds[-1], kinds[0]]):
         PLANTED[kind](conn, k.result(request_id))
-    assert queue.cancel([cancelled]) == [Cancelled.QUEUED]
-    claimed = {r.id: r for r in queue.claim(f"w#{n}", 100, 1_000_000, 0, 100).batch}
-    assert sorted(claimed) == sorted([*done, dead])
-    assert ok(queue, [claimed[i] for i in done]) == [True] * len(done)
-    dead_json = Result(dead, "dead", error={"type": "E", "message": "boom"}, attempts=1).to_json()
-    assert queue.fail([(dead, claimed[dead].lease_token, dead_json)]) == [2]
-    assert [queue.result(i).status for i in [*done, cancelled, dead]] == \
+    found = q.lookup(planted)
+    assert [f.error["type"] for f in found[:len(kinds)]] == ["ResultUnreadable"] * len(kinds)
+    assert q.cancel(["cancelled", "unknown"]) == [Cancelled.QUEUED, Cancelled.NOT]
+    claimed = {r.id: r for r in q.claim("w#1", 100, 1_000_000, 0, 100).batch}
+    assert sorted(claimed) == sorted([*done, "dead"])
+    late = ("dead", "w#lost", Result("dead", "ok", "late").to_json())  # a lease it does not hold
+    assert q.complete([late, *((i, claimed[i].lease_token, Result(i, "ok", "out").to_json())
+                               for i in done)], {"requests": len(done)}) == [False] + [True] * len(done)
+    dead_json = Result("dead", "dead", error={"type": "E", "message": "boom"}, attempts=1).to_json()
+    assert q.fail([("dead", claimed["dead"].lease_token, dead_json)]) == [2]
+    assert [q.result(i).status for i in [*done, "cancelled", "dead"]] == \
         ["ok"] * len(done) + ["cancelled", "dead"]
-    for request_id in planted:
+    for request_id in [*done, "cancelled", "dead"]:
         assert conn.type(k.result(request_id)) == "string" and conn.ttl(k.result(request_id)) > 0
 
 

@@ -1,4 +1,4 @@
--- Shared helpers, prepended to every script by batching/scripts.py.
+-- Shared helpers: each script is sent with those it names (batching/scripts.py helpers_for).
 local rcall = redis.call
 
 -- The script's fixed keys by name (K.pending...), and their count (FIXED): what a call
@@ -556,16 +556,16 @@ local function lease_end(K, token)
   rcall('HDEL', K.lease_ids, token)
   rcall('ZREM', K.lease_expiry, token)
 end
--- Take `gone` (id -> true) out of the lease of `token`; it ends once it holds nothing.
--- (The lease is deleted before what it still holds is written again: a Redis at its
--- maxmemory refuses a script whose first write may grow memory, and one that first frees
--- some, such as a worker giving back its requests (fail, release), must still run.)
 -- lease_put(K, token, left): after the HDEL, what the lease still holds (none: it ends).
--- `ids`: the lease's ids as this call read them (lease_read), so it is not read twice.
 local function lease_put(K, token, left)
   if #left == 0 then rcall('ZREM', K.lease_expiry, token)
   else rcall('HSET', K.lease_ids, token, table.concat(left, '\n')) end
 end
+-- Take `gone` (id -> true) out of the lease of `token`; it ends once it holds nothing.
+-- (The lease is deleted before what it still holds is written again: a Redis at its
+-- maxmemory refuses a script whose first write may grow memory, and one that first frees
+-- some, such as a worker giving back its requests (fail, release), must still run.)
+-- `ids`: the lease's ids as this call read them (lease_read), so it is not read twice.
 local function lease_drop(K, token, gone, ids)
   local left = {}
   ids = ids or lease_read(K, token)

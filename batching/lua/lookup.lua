@@ -2,13 +2,16 @@
 -- K.requests  HASH id -> request JSON (queued, running or dead-lettered)
 -- KEYS[FIXED+1..]  the result key of each id, in ARGV's order
 -- ARGV[1..]  request ids
--- Returns {r1..rN}: ri is the result JSON when there is one; else 1 when the request is
---   still queued, running or dead-lettered; else 0: Redis knows nothing of it (never
---   enqueued, result expired or deleted once delivered, or lost by Redis itself).
+-- Returns {r1..rN}: ri is the result JSON when there is one (what its key holds: for a key
+--   of another type the error text, which its reader reports as unreadable); else 1 when
+--   the request is still queued, running or dead-lettered; else 0: Redis knows nothing of
+--   it (never enqueued, result expired or deleted once delivered, or lost by Redis itself).
 local out = {}
 for i = 1, #ARGV do
-  local result = rcall('GET', KEYS[FIXED + i])
-  if result then
+  local result = redis.pcall('GET', KEYS[FIXED + i])
+  if type(result) == 'table' then  -- a key of another type: unreadable, that id's alone
+    out[i] = result.err
+  elseif result then
     out[i] = result
   else
     out[i] = rcall('HEXISTS', K.requests, ARGV[i])
