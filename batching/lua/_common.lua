@@ -435,6 +435,15 @@ local function result_key(result_prefix, id)
   return key
 end
 
+-- What a result key holds, as text (false: nothing). A key of another type (damaged, or
+-- written by another program) reads as its error text, which is no result JSON: a call
+-- reading many ids reports that one unreadable and goes on, instead of failing whole.
+local function result_text(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then return v.err end
+  return v
+end
+
 -- The reply list of a client, when there is one and it was declared; else nil.
 local function reply_key(reply_prefix, client)
   local key = reply_prefix .. (client or '')

@@ -37,9 +37,7 @@ for i = 5, #ARGV, 2 do
       end
     end
   else
-    -- (redis.pcall: a result key of another type reads as no cancelled result, not an error
-    -- that would fail the cancel of every id of the call)
-    local ok, result = pcall(cjson.decode, redis.pcall('GET', result_key(result_prefix, id)) or 'null')
+    local ok, result = pcall(cjson.decode, result_text(result_key(result_prefix, id)) or 'null')
     if ok and type(result) == 'table' and result.status == 'cancelled' then flag = 3 end
   end
   if flag == 1 or flag == 2 then

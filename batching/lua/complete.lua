@@ -69,7 +69,7 @@ while a <= n_args do
       done[d] = ids[i]
       if held ~= true then gone[token][ids[i]] = true end
       flags[i] = 1
-    elseif redis.pcall('GET', key) == json then  -- (a key of another type: no replay, no error)
+    elseif result_text(key) == json then
       flags[i], replayed = 1, true
     else
       flags[i] = 0

@@ -8,10 +8,8 @@
 --   it (never enqueued, result expired or deleted once delivered, or lost by Redis itself).
 local out = {}
 for i = 1, #ARGV do
-  local result = redis.pcall('GET', KEYS[FIXED + i])
-  if type(result) == 'table' then  -- a key of another type: unreadable, that id's alone
-    out[i] = result.err
-  elseif result then
+  local result = result_text(KEYS[FIXED + i])
+  if result then
     out[i] = result
   else
     out[i] = rcall('HEXISTS', K.requests, ARGV[i])
