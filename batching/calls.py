@@ -215,7 +215,14 @@ def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
     return Call(fixed_keys(k, "claim", claim=k.claim(token)),
                 [token, max_batch_size, max_batch_tokens, max_wait_ms,
                  min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-                 "" if ceiling is None else int(ceiling), *(v for pair in counts for v in pair)])
+                 "" if ceiling is None else int(ceiling), "\n".join(i for i, _ in counts),
+                 ",".join(count_text(c) for _, c in counts)])
+
+
+def count_text(count: Any) -> str:
+    """A count as the claim reads it: a positive integer's digits; anything else '' (the
+    claim ignores it), never text that could shift the counts after it."""
+    return str(count) if type(count) is int and count > 0 else ""
 
 
 def parse_claim(reply: list[Any], token: str) -> ClaimReply:

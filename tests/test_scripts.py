@@ -475,6 +475,50 @@ def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_
     assert third.to_price == [("r4", "e")] and third.batch == []
 
 
+COUNT = st.one_of(st.integers(1, 60), st.sampled_from([0, -3, None, "5:0", "7,1", "x\ny"]))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(1, 12), size=st.integers(1, 6), budget=st.integers(20, 400))
+def test_counts_sent_in_line_or_in_another_order_claim_alike(
+        queue: RequestQueue, data: st.DataObject, n: int, size: int, budget: int) -> None:
+    """A worker's counts come as the ids it counted and their counts, in one order. When the
+    ids are the claim's first candidates, in line (what an earlier claim handed it ahead),
+    each count is its candidate's by place; in any other order, by id, an id's first count
+    standing: the same counts, so the same batch, the same requests handed to price, the
+    same counts written back for the ones left queued. A count that is not a positive
+    integer is ignored either way, and shifts none of the others. (The leased ones are
+    counted again by their worker: their entries are left as they were.)"""
+    example = next(EXAMPLES)
+    queues = [RequestQueue(queue.client, f"{queue.name}c{example}{side}") for side in "ab"]
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    for q in queues:
+        q.enqueue([Request.validated(id=f"r{i}", input="w " * length)
+                   for i, length in enumerate(lengths)])
+    line = queue.client.zrange(queues[0].keys.pending, 0, -1)  # the candidates, in line
+    counted = data.draw(st.integers(1, n))
+    counts = [(i, data.draw(COUNT)) for i in line[:counted]]
+    shuffled = data.draw(st.permutations(counts))
+    if shuffled == counts:  # another order, whatever the draw: an id again, not a count
+        shuffled = [*counts, (counts[0][0], None)]
+    outcomes = []
+    for q, sent in zip(queues, [counts, shuffled]):
+        reply = q.claim("w#1", size, budget, 0, 16, price_estimates=True, counts=sent)
+        entries = q.client.hgetall(q.keys.sched)
+        outcomes.append(([(r.id, r.tokens) for r in reply.batch], reply.to_price,
+                         reply.price_ahead, {i: e.split(":")[0] for i, e in entries.items()}))
+    assert outcomes[0] == outcomes[1]
+    leased, to_price, _, tokens = outcomes[0]
+    given_counts = {i: c for i, c in reversed(counts) if type(c) is int and c > 0}
+    for request_id, count in leased:  # leased on its count, where it had one
+        assert count == given_counts.get(request_id, count)
+    for request_id, text in tokens.items():  # left queued: exact where counted, else estimated
+        if request_id not in dict(leased):
+            assert text == str(given_counts[request_id]) if request_id in given_counts \
+                else text.startswith("~")
+    assert not to_price or not leased
+
+
 def test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first(
         queue: RequestQueue) -> None:
     """Varied lengths: a claim reads past its batch's worth, to the lookahead, and the next

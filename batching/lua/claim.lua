@@ -24,10 +24,15 @@
 --         claimer passes the next shard's head rank + SHARD_SLACK_MS (batching/sharded.py)
 --         so no shard's head is overtaken by much later requests of another (save by
 --         the fair claim's tenants of the head's class: fair_reader).
--- ARGV[9..] pairs: id, exact tokens: this worker's counts of the candidates an earlier
---         claim handed it to price. The claim chooses on them, and writes to sched those
---         of the ones it does not take, still marked estimated (the ones it leases are
---         counted again by their worker, and again if they come back for a retry).
+-- ARGV[9] ids, joined by newlines, and ARGV[10] their exact tokens, joined by commas, in
+--         the same order ('' for one not counted): this worker's counts of the candidates an earlier claim handed
+--         it to price. The claim chooses on them, and writes to sched those of the ones it
+--         does not take, still marked estimated (the ones it leases are counted again by
+--         their worker, and again if they come back for a retry). Two values, not two per
+--         request: a value handed to a script costs Redis more than a command's argument
+--         (each is made a Lua string, and collected), and ids that are the candidates'
+--         own, in line (a worker's next batch, as a claim handed it ahead), are matched to
+--         them by one comparison, not looked up one by one (below).
 -- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {payloads}, {scheds},
 --   {attempts}, {ahead_ids}, {ahead_payloads}} when it leased something, each list an
 --   array of the reply ({attempts} empty when no request has failed). head_rank: the
@@ -56,20 +61,44 @@ local token = ARGV[1]
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
-local counted, counted_ids = {}, {}
 local ceiling = ARGV[8] ~= '' and ARGV[8] or nil
-local count_ok = {}  -- tokens text -> whether it is a count (checked once per distinct text)
-for i = 9, #ARGV - 1, 2 do
-  local id, tokens = ARGV[i], ARGV[i + 1]
-  local ok = count_ok[tokens]
-  if ok == nil then
-    ok = #tokens <= 8 and string.match(tokens, '^[1-9]%d*$') ~= nil  -- (parse_sched's rule)
-    count_ok[tokens] = ok
+-- The counts sent: count_at[n] the n-th one's text, false when it is not a count
+-- (checked once per distinct text, by parse_sched's rule); counted_text the ids.
+local counted_text, count_at, n_counts = ARGV[9] or '', {}, 0
+do
+  local count_ok = {}
+  for tokens in string.gmatch(counted_text ~= '' and (ARGV[10] or '') .. ',' or '', '([^,]*),') do
+    local ok = count_ok[tokens]
+    if ok == nil then
+      ok = #tokens <= 8 and string.match(tokens, '^[1-9]%d*$') ~= nil
+      count_ok[tokens] = ok
+    end
+    n_counts = n_counts + 1
+    count_at[n_counts] = ok and tokens
   end
-  if ok and not counted[id] then  -- first count of an id
-    counted[id] = tokens
-    counted_ids[#counted_ids + 1] = id
+end
+-- counted: id -> its count, counted_ids: those ids in order (an id's first count). Built
+-- from the ids sent only when they are not the candidates' own, in line (`in_line`, set
+-- once the candidates are read), or when some counted candidate is left queued.
+local counted, counted_ids, in_line = {}, {}, false
+local function counted_by_id(ids)
+  counted, counted_ids = {}, {}
+  local n = 0
+  if in_line then
+    for i = 1, n_counts do
+      if count_at[i] then counted[ids[i]] = count_at[i]; n = n + 1; counted_ids[n] = ids[i] end
+    end
+    return
   end
+  for id in string.gmatch(counted_text .. '\n', '([^\n]*)\n') do
+    n = n + 1
+    local tokens = count_at[n]
+    if tokens and not counted[id] then  -- first count of an id
+      counted[id] = tokens
+      counted_ids[#counted_ids + 1] = id
+    end
+  end
+  if n ~= n_counts then error('batchery: claim needs one count for each id counted') end
 end
 local now = now_ms()
 
@@ -118,11 +147,17 @@ local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   local failed = rcall('HLEN', K.attempts) > 0
   -- the ones priced ahead: an id pending without a payload is left out
   local payloads = (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
-  local ahead_ids, m = {}, 0
-  for i, payload in ipairs(payloads) do
-    if payload then m = m + 1; ahead_ids[m] = ahead[i]; payloads[m] = payload end
+  local ahead_ids, m = ahead or {}, #payloads
+  for i = 1, m do
+    if not payloads[i] then  -- some are gone: the ones with a payload, in order
+      ahead_ids, m = {}, 0
+      for j, payload in ipairs(payloads) do
+        if payload then m = m + 1; ahead_ids[m] = ahead[j]; payloads[m] = payload end
+      end
+      for j = m + 1, #payloads do payloads[j] = nil end
+      break
+    end
   end
-  for i = m + 1, #payloads do payloads[i] = nil end
   return {now, wait, n_expired, head_rank or 0, out_ids,
           rcall('HMGET', K.requests, unpack(out_ids)),
           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
@@ -494,6 +529,10 @@ if #ids == 0 then
 end
 -- a candidate's rank is its pending score, and is in its sched entry too: read there
 local scheds = planned_scheds or rcall('HMGET', K.sched, unpack(ids))
+-- the counts sent are the first candidates', in line, or are matched by id
+in_line = n_counts > 0 and #ids >= n_counts
+          and counted_text == table.concat(ids, '\n', 1, n_counts)
+if n_counts > 0 and not in_line then counted_by_id() end
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
 -- enqueue time); the taken ones' class is read once taken. This loop is most of a
@@ -519,7 +558,8 @@ local function scan(first)
       n_scheds = n_scheds + 1
       if is_estimated then
         n_priced = n_priced + 1
-        local count = counted[id]
+        local count
+        if in_line then count = i <= n_counts and count_at[i] else count = counted[id] end
         if count then  -- counted by this worker: exact from now on
           n_applied = n_applied + 1
           is_estimated, tokens = false, count
@@ -563,6 +603,7 @@ if not settled and not planned and #ids == window and window < lookahead then
   end
 end
 if price_estimates and n_estimated > 0 then
+  if in_line then counted_by_id(ids) end
   write_counts()
   local reply = {now, -2, 0}
   for n, id in ipairs(estimated) do reply[3 + n] = id end
@@ -695,6 +736,7 @@ if n_expired + n_unreadable > 0 then
     for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
   end
 end
+if in_line and n_take < #ids then counted_by_id(ids) end  -- (else each was taken)
 if n_applied == #counted_ids and n_take == #ids then
   counted = {}  -- every count was a candidate's, and every candidate is taken
 elseif #counted_ids > 0 then
