@@ -108,7 +108,7 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
             args += (r.priority, deadline_ms, r.tenant, 0)
             run = len(args) - 1
         args[run] += 1
-        args += (r.id, tokens, r.payload())
+        args += (tokens, r.payload())  # the id goes in its result key only
     return Call([*fixed_keys(k, "enqueue", call=k.call(new_call_id())),
                  *(k.result_prefix + r.id for r in requests)], args)
 
@@ -250,12 +250,12 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                        ",".join(f"{name}={n}" for name, n in totals.items() if n)]
     run = -1  # where the current run's count is in args: a run shares a token and a client
-    for (request_id, token, result), client in zip(items, clients, strict=True):
+    for (_, token, result), client in zip(items, clients, strict=True):
         if run < 0 or args[run - 2] != token or args[run - 1] != client:
             args += (token, client, 0)
             run = len(args) - 1
         args[run] += 1
-        args += (request_id, result)
+        args.append(result)  # the id goes in its result key only
     return Call([*fixed_keys(k, "complete"), *declared_keys(k, [i[0] for i in items], clients)],
                 args)
 

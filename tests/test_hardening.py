@@ -11,9 +11,9 @@ import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import Reaped
+from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.queue import RequestQueue
-from batchery.batching.scripts import NAMES, Scripts, helpers_for, source
+from batchery.batching.scripts import FIXED_KEYS, NAMES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
@@ -251,6 +251,37 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
     assert queue.renew("w", []) == []
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused(
+        queue: RequestQueue, end: str) -> None:
+    """The enqueue and complete scripts take each request's id from its result key (an id
+    is sent once: each value handed to a script is made a Lua string). A call whose first
+    or last declared key is not a result key of the queue (a caller's bug) is refused, with
+    what is wrong, and writes nothing; the same call with its keys whole goes through."""
+    def tampered(call: Call, script: str) -> Call:
+        keys = list(call.keys)
+        at = len(FIXED_KEYS[script]) if end == "first" else len(FIXED_KEYS[script]) + 2
+        keys[at] = "elsewhere:" + keys[at]
+        return Call(keys, call.args)
+    requests = [Request(id=i, input=f"input of {i}") for i in ("a", "b", "c")]
+    call = enqueue_call(queue.keys, requests, "c1")
+    assert not {"a", "b", "c"} & set(call.args)  # the ids are in the keys only
+    with pytest.raises(redis.ResponseError, match="enqueue needs the result key of each id"):
+        queue._run("enqueue", tampered(call, "enqueue"))
+    assert queue.client.zcard(queue.keys.pending) == 0 and not queue.client.exists(queue.keys.requests)
+    assert queue._run("enqueue", call)[2:] == [1, 1, 1]
+    batch = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    assert [(r.id, r.input) for r in batch] == [(i, f"input of {i}") for i in ("a", "b", "c")]
+    items = [(r.id, r.lease_token, Result(r.id, "ok", r.id.upper()).to_json()) for r in batch]
+    done = complete_call(queue.keys, items, {"requests": 3}, [r.client for r in batch])
+    assert not {"a", "b", "c"} & set(done.args)
+    with pytest.raises(redis.ResponseError, match="complete needs the result key of each id"):
+        queue._run("complete", tampered(done, "complete"))
+    assert queue.results(["a", "b", "c"]) == [None, None, None]
+    assert queue._run("complete", done) == [1, 1, 1]
+    assert [r.output for r in queue.results(["a", "b", "c"])] == ["A", "B", "C"]
 
 
 COMMON = '''-- header

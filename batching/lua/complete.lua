@@ -1,13 +1,13 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- K.requests  K.sched  K.attempts  K.lease_expiry  K.lease_ids
 -- K.settings  K.stats  K.history
--- KEYS[FIXED+1..] the result key of each id (in ARGV's order), then the reply list of each
---         client among them
+-- KEYS[FIXED+1..] the result key of each id (in ARGV's order: the id is the key past the
+--         prefix ARGV[1], sent once), then the reply list of each client among them
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5..] runs of requests that share a lease token and a client: the token, the client
 --         whose reply list gets their results ('' for none; the claim handed it to the
---         worker with the request), their count k, then k pairs: id, result JSON
+--         worker with the request), their count k, then k result JSONs
 --         (batching/calls.py complete_call: one run for a batch of one claim and one client)
 -- Returns {c1..cN}: 1 committed; 0 discarded because this claim no longer holds the
 --   lease (it expired and was taken over, or the request was cancelled).
@@ -16,28 +16,33 @@
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
+local n, a, n_args = 0, 5, #ARGV
+while a <= n_args do
+  local k = tonumber(ARGV[a + 2])
+  n, a = n + k, a + 3 + k
+end
+if n == 0 then return {} end
+-- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
+-- taken as declared, not built and looked up again per request, each id cut from its key;
+-- the ends checked
+local cut = #result_prefix
+if #KEYS < FIXED + n or string.sub(KEYS[FIXED + 1], 1, cut) ~= result_prefix
+   or string.sub(KEYS[FIXED + n], 1, cut) ~= result_prefix then
+  error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
+end
 -- the ids in ARGV's order, and each lease token's among them
-local ids, n, a, n_args = {}, 0, 5, #ARGV
-local of_token = {}
+local ids, of_token, i = {}, {}, 0
+a = 5
 while a <= n_args do
   local token, k = ARGV[a], tonumber(ARGV[a + 2])
   local mine = of_token[token] or {}
   of_token[token] = mine
-  a = a + 3
   local m = #mine
   for j = 1, k do
-    local id = ARGV[a + 2 * j - 2]
-    ids[n + j], mine[m + j] = id, id
+    local id = string.sub(KEYS[FIXED + i + j], cut + 1)
+    ids[i + j], mine[m + j] = id, id
   end
-  n, a = n + k, a + 2 * k
-end
-if n == 0 then return {} end
-
--- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
--- taken as declared, not built and looked up again per request; the ends checked
-if #KEYS < FIXED + n or KEYS[FIXED + 1] ~= result_prefix .. ids[1]
-   or KEYS[FIXED + n] ~= result_prefix .. ids[n] then
-  error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
+  i, a = i + k, a + 3 + k
 end
 -- What each token's lease still holds of its ids: all of them when the lease is exactly
 -- its ids in order (a batch committed whole, the common case: one string compared, no id
@@ -51,8 +56,8 @@ for token, mine in pairs(of_token) do
 end
 
 local done, flags, replies, replayed = {}, {}, {}, false
-local i, d = 0, 0
-a = 5
+local d = 0
+i, a = 0, 5
 while a <= n_args do
   local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
   local jsons = client ~= '' and (replies[client] or {}) or nil
@@ -61,7 +66,7 @@ while a <= n_args do
   a = a + 3
   for _ = 1, k do
     i = i + 1
-    local json, key = ARGV[a + 1], KEYS[FIXED + i]
+    local json, key = ARGV[a], KEYS[FIXED + i]
     if held == true or held[ids[i]] then
       rcall('SET', key, json, 'EX', ttl_s)
       if jsons then jsons[#jsons + 1] = json end
@@ -74,7 +79,7 @@ while a <= n_args do
     else
       flags[i] = 0
     end
-    a = a + 2
+    a = a + 1
   end
 end
 for client, jsons in pairs(replies) do  -- a client none of whose results counted: no push

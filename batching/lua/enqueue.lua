@@ -11,7 +11,9 @@
 -- K.call       STRING this call's reply, remembered (see Returns)
 -- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --         counters (_common.lua fair_*; docs/fair-share.md)
--- KEYS[FIXED+1..] the result key of each request, in ARGV's order
+-- KEYS[FIXED+1..] the result key of each request, in ARGV's order: its id is the key past
+--         the prefix ARGV[1] (an id is sent once, in its key: a value handed to a script
+--         is made a Lua string, dearer than cutting it from the key)
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -22,7 +24,7 @@
 -- ARGV[7] the shard count the caller routed by (QueueSettings.shards as it read them)
 -- ARGV[8..] runs of requests that share a priority (class name or integer seconds), a
 --           deadline in ms from now (0 = none) and a tenant: those three, the run's
---           count k, then k triples: id, tokens ("~N": an estimate), request JSON
+--           count k, then k pairs: tokens ("~N": an estimate), request JSON
 --           (batching/calls.py enqueue_call: one run for a Client.map call's requests)
 -- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
 --         repeated within the call is accepted once, with its first payload);
@@ -101,9 +103,7 @@ do
   while a <= n_args do
     local k = tonumber(ARGV[a + 3])
     runs[#runs + 1] = {ARGV[a], ARGV[a + 1], ARGV[a + 2], a + 4, k}
-    a = a + 4
-    for j = 1, k do ids[n + j] = ARGV[a + 3 * j - 3] end
-    n, a = n + k, a + 3 * k
+    n, a = n + k, a + 4 + 2 * k
   end
 end
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
@@ -112,11 +112,14 @@ end
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 -- the result keys are KEYS[FIXED+1..] in ARGV's order (batching/calls.py enqueue_call): taken
--- as declared, not built again per request; the count and the ends checked
-if #KEYS ~= FIXED + n or (n > 0 and (KEYS[FIXED + 1] ~= result_prefix .. ids[1]
-                                  or KEYS[FIXED + n] ~= result_prefix .. ids[n])) then
+-- as declared, not built again per request, each id cut from its key; the count and the
+-- ends checked
+local cut = #result_prefix
+if #KEYS ~= FIXED + n or (n > 0 and (string.sub(KEYS[FIXED + 1], 1, cut) ~= result_prefix
+                                  or string.sub(KEYS[FIXED + n], 1, cut) ~= result_prefix)) then
   error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
 end
+for i = 1, n do ids[i] = string.sub(KEYS[FIXED + i], cut + 1) end
 local some_results = n > 0 and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
 local held = n > 0 and hmget_chunked(K.requests, ids) or {}
 local function known(i, id)
@@ -135,7 +138,7 @@ for _, run in ipairs(runs) do
   local valid, run_fresh = delay_of(priority), 0
   for _ = 1, run[5] do
     i = i + 1
-    local id, payload = ARGV[a], ARGV[a + 2]
+    local id, payload = ids[i], ARGV[a + 1]
     if (seen[id] or some_results or held[i]) and known(i, id) then  -- (a call only then)
       status[i] = 0  -- known already, or earlier in this call: the first one stands
     else
@@ -147,7 +150,7 @@ for _, run in ipairs(runs) do
       first_of[tenant] = first_of[tenant] or i
       incoming = incoming + #payload + #id + REQUEST_OVERHEAD
     end
-    a = a + 3
+    a = a + 2
   end
   if run_fresh > 0 then
     fresh = fresh + run_fresh
@@ -214,15 +217,15 @@ for _, run in ipairs(runs) do
   for _ = 1, run[5] do
     i = i + 1
     if status[i] == 1 then
-      local id = ARGV[a]
+      local id = ids[i]
       zargs[m + 1], zargs[m + 2] = rank, id
-      hargs[m + 1], hargs[m + 2] = id, ARGV[a + 2]
-      sargs[m + 1], sargs[m + 2] = id, ARGV[a + 1] .. tail
+      hargs[m + 1], hargs[m + 2] = id, ARGV[a + 1]
+      sargs[m + 1], sargs[m + 2] = id, ARGV[a] .. tail
       if listed then fargs[m + 1], fargs[m + 2] = '0', head .. id end
       m = m + 2
       g.n = g.n + 1
     end
-    a = a + 3
+    a = a + 2
   end
 end
 local joined = {}
