@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -215,14 +216,23 @@ def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
     return Call(fixed_keys(k, "claim", claim=k.claim(token)),
                 [token, max_batch_size, max_batch_tokens, max_wait_ms,
                  min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-                 "" if ceiling is None else int(ceiling), "\n".join(i for i, _ in counts),
-                 ",".join(count_text(c) for _, c in counts)])
+                 "" if ceiling is None else int(ceiling), *joined_counts(counts)])
+
+
+def joined_counts(counts: Sequence[tuple[str, Any]]) -> list[str]:
+    """A worker's counts as the claim takes them: the ids joined by newlines, the counts by
+    commas. A count that is not a positive integer goes as '' (the claim ignores it), never
+    as text that could shift the counts after it; an id holding a newline (not one a
+    producer validates) is left out: its request is priced again."""
+    sent = [(i, c) for i, c in counts if "\n" not in i]
+    return ["\n".join(i for i, _ in sent), ",".join(count_text(c) for _, c in sent)]
 
 
 def count_text(count: Any) -> str:
-    """A count as the claim reads it: a positive integer's digits; anything else '' (the
-    claim ignores it), never text that could shift the counts after it."""
-    return str(count) if type(count) is int and count > 0 else ""
+    """A positive integer's digits (numpy's integers too); '' for anything else."""
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool) and count > 0:
+        return str(int(count))
+    return ""
 
 
 def parse_claim(reply: list[Any], token: str) -> ClaimReply:

@@ -11,7 +11,7 @@ import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
+from batchery.batching.calls import Call, Reaped, claim_call, complete_call, enqueue_call
 from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import FIXED_KEYS, NAMES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
@@ -282,6 +282,22 @@ def test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused(
     assert queue.results(["a", "b", "c"]) == [None, None, None]
     assert queue._run("complete", done) == [1, 1, 1]
     assert [r.output for r in queue.results(["a", "b", "c"])] == ["A", "B", "C"]
+
+
+def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(
+        queue: RequestQueue) -> None:
+    """The claim takes a worker's counts as two texts, the ids and their counts: a call whose
+    texts differ in number (a caller's bug) is refused with what is wrong, before anything
+    is written, and leases nothing."""
+    queue.enqueue([Request(id=i, input=i) for i in ("a", "b")])
+    call = claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, True, [("a", 1), ("b", 1)], None)
+    call.args[-1] = "1"
+    before = queue.client.dump(queue.keys.pending)
+    with pytest.raises(redis.ResponseError, match="claim needs one count for each id counted"):
+        queue._run("claim", call)
+    assert queue.client.dump(queue.keys.pending) == before
+    assert not queue.client.exists(queue.keys.lease_ids)
+    assert [r.id for r in queue.claim("w#2", 10, 10_000, 0, 10).batch] == ["a", "b"]
 
 
 COMMON = '''-- header

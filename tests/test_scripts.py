@@ -487,7 +487,8 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
     each count is its candidate's by place; in any other order, by id, an id's first count
     standing: the same counts, so the same batch, the same requests handed to price, the
     same counts written back for the ones left queued. A count that is not a positive
-    integer is ignored either way, and shifts none of the others. (The leased ones are
+    integer is ignored either way, and shifts none of the others; one for an id not pending
+    is ignored. (The leased ones are
     counted again by their worker: their entries are left as they were.)"""
     example = next(EXAMPLES)
     queues = [RequestQueue(queue.client, f"{queue.name}c{example}{side}") for side in "ab"]
@@ -498,9 +499,10 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
     line = queue.client.zrange(queues[0].keys.pending, 0, -1)  # the candidates, in line
     counted = data.draw(st.integers(1, n))
     counts = [(i, data.draw(COUNT)) for i in line[:counted]]
-    shuffled = data.draw(st.permutations(counts))
-    if shuffled == counts:  # another order, whatever the draw: an id again, not a count
-        shuffled = [*counts, (counts[0][0], None)]
+    # the same counts in any order, always matched by id: with a count for an id that is not
+    # pending, and an id's count again (its first one stands)
+    again = 99 if type(counts[0][1]) is int and counts[0][1] > 0 else None
+    shuffled = [*data.draw(st.permutations(counts)), ("ghost", 5), (counts[0][0], again)]
     outcomes = []
     for q, sent in zip(queues, [counts, shuffled]):
         reply = q.claim("w#1", size, budget, 0, 16, price_estimates=True, counts=sent)
@@ -517,6 +519,20 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
             assert text == str(given_counts[request_id]) if request_id in given_counts \
                 else text.startswith("~")
     assert not to_price or not leased
+
+
+def test_counts_sent_in_line_are_written_back_for_the_candidates_left_queued(
+        queue: RequestQueue) -> None:
+    """Counts sent in line for every candidate, and a budget that takes two of three: the
+    one left queued keeps its count, exact, for the next claim (no pricing round)."""
+    queue.enqueue([Request.validated(id=f"r{i}", input="w " * (i + 1)) for i in range(3)])
+    line = queue.client.zrange(queue.keys.pending, 0, -1)
+    counts = dict(zip(line, [5, 5, 50]))
+    first = queue.claim("w#1", 3, 10, 0, 16, price_estimates=True, counts=list(counts.items()))
+    assert [(r.id, r.tokens) for r in first.batch] == [(i, 5) for i in line[:2]]
+    assert queue.client.hget(queue.keys.sched, line[2]).split(":")[0] == "50"
+    second = queue.claim("w#2", 3, 100, 0, 16, price_estimates=True)
+    assert [(r.id, r.tokens) for r in second.batch] == [(line[2], 50)] and not second.to_price
 
 
 def test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first(

@@ -25,8 +25,8 @@
 --         so no shard's head is overtaken by much later requests of another (save by
 --         the fair claim's tenants of the head's class: fair_reader).
 -- ARGV[9] ids, joined by newlines, and ARGV[10] their exact tokens, joined by commas, in
---         the same order ('' for one not counted): this worker's counts of the candidates an earlier claim handed
---         it to price. The claim chooses on them, and writes to sched those of the ones it
+--         the same order ('' for one not counted): this worker's counts of the candidates
+--         an earlier claim handed it to price. The claim chooses on them, and writes to sched those of the ones it
 --         does not take, still marked estimated (the ones it leases are counted again by
 --         their worker, and again if they come back for a retry). Two values, not two per
 --         request: a value handed to a script costs Redis more than a command's argument
@@ -76,6 +76,10 @@ do
     n_counts = n_counts + 1
     count_at[n_counts] = ok and tokens
   end
+  -- as many ids as counts, checked before anything is written (no id holds a newline)
+  if counted_text ~= '' and select(2, string.gsub(counted_text, '\n', '')) + 1 ~= n_counts then
+    error('batchery: claim needs one count for each id counted')
+  end
 end
 -- counted: id -> its count, counted_ids: those ids in order (an id's first count). Built
 -- from the ids sent only when they are not the candidates' own, in line (`in_line`, set
@@ -98,7 +102,6 @@ local function counted_by_id(ids)
       counted_ids[#counted_ids + 1] = id
     end
   end
-  if n ~= n_counts then error('batchery: claim needs one count for each id counted') end
 end
 local now = now_ms()
 

@@ -96,7 +96,8 @@ local function over_high_water(incoming, now)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
--- The runs: {priority, deadline, tenant, ARGV index of its first id, count}; ids in order.
+-- The runs: {priority, deadline, tenant, ARGV index of its first tokens, count}; the ids, in
+-- order, are cut from their keys once the keys are checked (below).
 local runs, ids, n, n_args = {}, {}, 0, #ARGV
 do
   local a = 8
