@@ -235,22 +235,39 @@ def count_text(count: Any) -> str:
     return ""
 
 
-def parse_claim(reply: list[Any], token: str) -> ClaimReply:
+def claim_payload_ids(reply: list[Any]) -> list[str]:
+    """The ids whose payloads the caller of a claim reads after it, with one plain
+    ``HMGET`` of ``requests``, in this order: the candidates to price, or the ids leased
+    and then the ones handed ahead (lua/claim.lua: a value a script reads costs Redis about
+    three times a plain read's)."""
+    if int(reply[1]) == TO_PRICE:
+        return list(reply[3:])
+    if len(reply) == 3:
+        return []
+    return [*reply[4], *reply[7]]
+
+
+def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) -> ClaimReply:
+    """The claim's reply with the payloads of ``claim_payload_ids(reply)``, read after it.
+    A request leased whose payload is gone (cancelled since) is handed over as one that
+    cannot run (Claimed.decode), as one whose payload is missing: its lease was taken with
+    it, so what its worker reports is discarded. One handed ahead whose payload is gone
+    (taken and finished by another worker since) is left out."""
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
     if wait_ms == TO_PRICE:
-        n = (len(reply) - 3) // 2
         return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
-                                               for i, p in zip(reply[3:3 + n], reply[3 + n:])])
+                                               for i, p in zip(reply[3:], payloads, strict=True)])
     if len(reply) == 3:  # nothing leased
         return ClaimReply(now_ms, wait_ms)
     head = int(reply[3])  # the rank the batch was chosen against
     # each list an array of the reply; attempts empty when no request has failed
-    ids, payloads, scheds, failures, ahead, ahead_payloads = reply[4:10]
+    ids, scheds, failures, ahead = reply[4:8]
+    n = len(ids)
     claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
-               in zip(ids, payloads, scheds, failures or [None] * len(ids), strict=True)]
-    priced_ahead = zip(ahead, ahead_payloads, strict=True)
+               in zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True)]
+    priced_ahead = zip(ahead, payloads[n:], strict=True)
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
-                      price_ahead=[(i, stored_input(p)) for i, p in priced_ahead])
+                      price_ahead=[(i, stored_input(p)) for i, p in priced_ahead if p is not None])
 
 
 def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],

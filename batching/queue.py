@@ -13,10 +13,11 @@ from typing import Any, Callable, Sequence
 import redis
 
 from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped, attach_call,
-                                     cancel_call, claim_call, complete_call, declared_keys,
-                                     enqueue_call, fail_call, lookup_call, memory_full, parse_cancel,
-                                     parse_claim, parse_clients, parse_enqueue, parse_fail,
-                                     parse_lookup, parse_reap, parse_reply_read, reap_call,
+                                     cancel_call, claim_call, claim_payload_ids, complete_call,
+                                     declared_keys, enqueue_call, fail_call, lookup_call,
+                                     memory_full, parse_cancel, parse_claim, parse_clients,
+                                     parse_enqueue, parse_fail, parse_lookup, parse_reap,
+                                     parse_reply_read, reap_call,
                                      release_call, renew_call, reply_read, workers_call,
                                      fold_call)
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
@@ -178,7 +179,9 @@ class RequestQueue(QueueInspection):
         ``ceiling``: lease nothing ranked above it (a sharded queue's claim)."""
         call = claim_call(self.keys, token, max_batch_size, max_batch_tokens, max_wait_ms,
                           lookahead, price_estimates, counts, ceiling)
-        return parse_claim(self._run("claim", call), token)
+        reply = self._run("claim", call)
+        ids = claim_payload_ids(reply)  # read after the script: a plain read costs Redis less
+        return parse_claim(reply, token, self.client.hmget(self.keys.requests, ids) if ids else [])
 
     def complete(self, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:

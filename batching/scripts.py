@@ -23,7 +23,7 @@ import redis
 FIXED_KEYS: dict[str, tuple[str, ...]] = {
     "enqueue": ("pending", "requests", "sched", "settings", "wake", "depth", "delayed", "stats",
                 "dead", "attempts", "history", "call", "fair", "fair_tenants", "vtc"),
-    "claim": ("pending", "delayed", "sched", "requests", "attempts", "lease_expiry",
+    "claim": ("pending", "delayed", "sched", "attempts", "lease_expiry",
               "settings", "depth", "claim", "fair", "fair_tenants", "vtc", "served", "rates",
               "plan", "lease_ids"),
     "complete": ("requests", "sched", "attempts", "lease_expiry", "settings", "stats",

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import Cancelled, Reaped
+from batchery.batching.calls import (Cancelled, Failed, Reaped, claim_call, claim_payload_ids,
+                                     parse_claim)
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
@@ -429,6 +430,68 @@ def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(
                         counts=[("r2", 1), *((i, 1) for i, _ in second.to_price)])
     assert [(r.id, r.input, r.invalid is None) for r in third.batch] == [("r2", "c", True),
                                                                          ("r3", None, False)]
+
+
+INPUT = st.one_of(st.text(max_size=30), st.integers(-2**53, 2**53), st.none(),
+                  st.lists(st.text(max_size=5), max_size=3),
+                  st.dictionaries(st.sampled_from(["text", "prompt", "k"]), st.text(max_size=12),
+                                  max_size=2))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(inputs=st.lists(INPUT, min_size=1, max_size=24), size=st.integers(1, 7),
+       gone=st.sets(st.integers(0, 23), max_size=4), exact=st.booleans())
+def test_each_request_leased_priced_or_handed_ahead_comes_with_its_own_input(
+        queue: RequestQueue, inputs: list, size: int, gone: set, exact: bool) -> None:
+    """A claim hands over ids; their payloads are read after it, in one plain read of the
+    ids leased and then the ones handed ahead (or the ones to price). Whatever the inputs,
+    the batch size and the producer's pricing, each request comes with its own input, in
+    its place; one whose payload is gone is leased marked as one that cannot run (failed
+    alone), never handed ahead, and takes no other's input."""
+    q = RequestQueue(queue.client, f"{queue.name}p{next(EXAMPLES)}")
+    sent = {f"r{i}": v for i, v in enumerate(inputs)}
+    q.enqueue([Request.validated(id=i, input=v, **({"tokens": 3} if exact else {}))
+               for i, v in sent.items()])
+    lost = {f"r{i}" for i in gone if i < len(inputs)}
+    if lost:
+        q.client.hdel(q.keys.requests, *lost)
+    leased, ahead = [], []
+    for claims in range(1, 3 * len(inputs) + 3):
+        token = f"w#{claims}"
+        reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                        counts=[(i, 2) for i, _ in ahead])
+        if reply.to_price:
+            assert all(v == (None if i in lost else sent[i]) for i, v in reply.to_price)
+            reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                            counts=[(i, 2) for i, _ in reply.to_price])
+        for r in reply.batch:
+            assert (r.invalid is not None, r.input) == ((True, None) if r.id in lost
+                                                        else (False, sent[r.id]))
+        assert all(i not in lost and v == sent[i] for i, v in reply.price_ahead)
+        leased += [r.id for r in reply.expired + reply.batch]
+        ahead = reply.price_ahead
+        if reply.nothing_pending:
+            break
+    assert sorted(leased) == sorted(sent)
+
+
+def test_a_request_cancelled_between_its_claim_and_the_read_of_its_payload_stays_cancelled(
+        queue: RequestQueue) -> None:
+    """The payloads are read after the claim's script: a request cancelled in between is
+    handed to its worker without its payload (as one that cannot run), and what the worker
+    reports of it is discarded: the cancel stands, its batch-mate runs."""
+    queue.enqueue(requests("a", "b"), "c1")
+    reply = queue._run("claim", claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, False, [], None))
+    assert queue.cancel(["r1"]) == [Cancelled.RUNNING]
+    payloads = queue.client.hmget(queue.keys.requests, claim_payload_ids(reply))
+    first, second = parse_claim(reply, "w#1", payloads).batch
+    assert (first.input, first.invalid) == ("a", None)
+    assert (second.id, second.input) == ("r1", None) and second.invalid
+    dead = Result("r1", "error", error={"type": "InvalidRequest", "message": second.invalid})
+    assert queue.fail([("r1", "w#1", dead.to_json())]) == [Failed.LEASE_LOST]
+    assert ok(queue, [first]) == [True]
+    assert queue.result("r1").status == "cancelled"
+    assert queue.result("r0").output == "out"
 
 
 def test_what_a_claim_prices_ahead_follows_what_its_candidates_were(queue: RequestQueue) -> None:

@@ -2,7 +2,6 @@
 -- K.pending    ZSET id -> rank
 -- K.delayed    ZSET id -> ms it may run again
 -- K.sched      HASH id -> "tokens:expire_ms:enqueued_ms:rank:class:client"
--- K.requests   HASH id -> request JSON
 -- K.attempts   HASH id -> failed runs
 -- K.lease_ids  HASH lease token -> the ids its claim holds   K.lease_expiry  ZSET token ->
 --              ms its lease lapses (_common.lua lease_read)
@@ -33,9 +32,13 @@
 --         (each is made a Lua string, and collected), and ids that are the candidates'
 --         own, in line (a worker's next batch, as a claim handed it ahead), are matched to
 --         them by one comparison, not looked up one by one (below).
--- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {payloads}, {scheds},
---   {attempts}, {ahead_ids}, {ahead_payloads}} when it leased something, each list an
---   array of the reply ({attempts} empty when no request has failed). head_rank: the
+-- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {scheds}, {attempts}, {ahead_ids}}
+--   when it leased something, each list an array of the reply ({attempts} empty when no
+--   request has failed). The requests' payloads are not in it: the caller reads them
+--   after, with one plain HMGET of `requests` for the ids and the ahead ids (a request
+--   leased stays held; one handed ahead may be gone by then, and is left out). A value
+--   read by a script is made a Lua string and written out again: it costs Redis about
+--   three times a plain read's (docs/scaling.md). head_rank: the
 --   rank of the most urgent pending request when the batch was chosen (a request ranked
 --   before it later is more urgent than anything then). ahead: with ARGV[7] = 1,
 --   requests next in line to count (the next batch's candidates, when this batch's were
@@ -46,8 +49,9 @@
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
---   wait_ms = -2: nothing claimed; the ids and payloads are the candidates priced by
---   estimate (scheds and attempts empty): count them, claim again with the counts.
+--   wait_ms = -2: nothing claimed; {now_ms, -2, 0, id...}: the candidates priced by
+--   estimate (their payloads read by the caller, as above): count them, claim again with
+--   the counts.
 -- Fair share (docs/fair-share.md): the class of the most urgent pending request is
 -- served. When two or more of its tenants are backlogged, the batch's head is the first
 -- of the least served tenant's sub-queue and the candidates are that tenant's, then the
@@ -139,32 +143,18 @@ local function rate_charge(tenant, tokens)
   end
 end
 
--- The reply: {now, wait, n_expired, head_rank, ids, payloads, scheds, attempts, ahead ids,
--- ahead payloads} for out_ids, the expired ones first; scheds: their entries when the
--- caller holds them already. Each list is an array of the reply (nested), as the HMGET
--- that read it returned it: no value is copied into a flat reply per request.
+-- The reply: {now, wait, n_expired, head_rank, ids, scheds, attempts, ahead ids} for
+-- out_ids, the expired ones first; scheds: their entries when the caller holds them
+-- already. Each list is an array of the reply (nested), as the HMGET that read it
+-- returned it: no value is copied into a flat reply per request. No payload: the caller
+-- reads them with a plain HMGET (the header).
 -- (attempts are read only when some request has failed: HLEN, once per claim; else {})
 local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
-  local n = #out_ids
-  if n == 0 then return {now, wait, 0} end
+  if #out_ids == 0 then return {now, wait, 0} end
   local failed = rcall('HLEN', K.attempts) > 0
-  -- the ones priced ahead: an id pending without a payload is left out
-  local payloads = (ahead and #ahead > 0) and rcall('HMGET', K.requests, unpack(ahead)) or {}
-  local ahead_ids, m = ahead or {}, #payloads
-  for i = 1, m do
-    if not payloads[i] then  -- some are gone: the ones with a payload, in order
-      ahead_ids, m = {}, 0
-      for j, payload in ipairs(payloads) do
-        if payload then m = m + 1; ahead_ids[m] = ahead[j]; payloads[m] = payload end
-      end
-      for j = m + 1, #payloads do payloads[j] = nil end
-      break
-    end
-  end
   return {now, wait, n_expired, head_rank or 0, out_ids,
-          rcall('HMGET', K.requests, unpack(out_ids)),
           scheds or rcall('HMGET', K.sched, unpack(out_ids)),
-          failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}, ahead_ids, payloads}
+          failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}, ahead or {}}
 end
 
 -- A candidate's entry split off its tail (_common.lua split_entry), each distinct tail
@@ -610,8 +600,6 @@ if price_estimates and n_estimated > 0 then
   write_counts()
   local reply = {now, -2, 0}
   for n, id in ipairs(estimated) do reply[3 + n] = id end
-  local payloads = rcall('HMGET', K.requests, unpack(estimated))
-  for n = 1, n_estimated do reply[3 + n_estimated + n] = payloads[n] end
   return reply
 end
 
