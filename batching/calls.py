@@ -177,8 +177,8 @@ def memory_full(error: Exception | str) -> QueueFull:
 
 
 def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
-    if int(reply[0]) == 1:
-        return [bool(int(s)) for s in reply[2:]]
+    if int(reply[0]) == 1:  # a digit a request (lua/enqueue.lua)
+        return [s == "1" for s in reply[2]]
     code, index, detail = reply[1], int(reply[2]), reply[3]
     if code == "shards":
         raise ShardsChanged(int(detail))

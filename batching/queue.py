@@ -191,8 +191,8 @@ class RequestQueue(QueueInspection):
         if not items:
             return []
         clients = self.clients([item[0] for item in items]) if clients is None else clients
-        return [bool(f) for f in self._run("complete", complete_call(self.keys, items, totals,
-                                                                      clients))]
+        flags = self._run("complete", complete_call(self.keys, items, totals, clients))
+        return [f == "1" for f in flags]  # a digit a request (lua/complete.lua)
 
     def fail(self, items: Sequence[tuple[str, str, str | bytes]],
              clients: Sequence[str] | None = None) -> list[Failed]:

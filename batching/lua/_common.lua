@@ -120,21 +120,23 @@ end
 -- connection's retries after a lost reply give up within about 10 s.
 local CALL_MEMORY_S = 60
 
--- The reply of an earlier run of this call (a retry after a lost reply), or nil.
+-- The reply of an earlier run of this call (a retry after a lost reply), or nil: its
+-- values as texts of digits (the callers read integers and digits alike).
 local function remembered_reply(call_key)
   local saved = rcall('GET', call_key)
   if not saved then return nil end
   local reply = {}
-  for v in string.gmatch(saved, '[^,]+') do reply[#reply + 1] = tonumber(v) end
+  for v in string.gmatch(saved, '[^,]+') do reply[#reply + 1] = v end
   return reply
 end
 
--- Keep `reply` (a list of integers) so that this call retried gets it again.
--- (a request's status is one digit: written from this table, not formatted per request)
+-- Keep `reply` (a list of integers and texts of digits, none empty) so that this call
+-- retried gets it again. (a request's status is one digit: written from this table, not
+-- formatted per request)
 local DIGITS = {[0] = '0', '1', '2', '3', '4', '5', '6', '7', '8', '9'}
 local function remember_reply(call_key, reply)
   local parts = {}
-  for i, v in ipairs(reply) do parts[i] = DIGITS[v] or fmt_int(v) end
+  for i, v in ipairs(reply) do parts[i] = DIGITS[v] or type(v) == 'string' and v or fmt_int(v) end
   rcall('SET', call_key, table.concat(parts, ','), 'EX', CALL_MEMORY_S)
   return reply
 end

@@ -9,8 +9,9 @@
 --         whose reply list gets their results ('' for none; the claim handed it to the
 --         worker with the request), their count k, then k result JSONs
 --         (batching/calls.py complete_call: one run for a batch of one claim and one client)
--- Returns {c1..cN}: 1 committed; 0 discarded because this claim no longer holds the
---   lease (it expired and was taken over, or the request was cancelled).
+-- Returns "c1..cN", one text of a digit a request (as enqueue's): 1 committed; 0 discarded
+--   because this claim no longer holds the lease (it expired and was taken over, or the
+--   request was cancelled).
 -- A replay (the connection retried after the reply was lost) finds its own result
 -- stored already: reported 1 again, and the totals are not added twice.
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
@@ -21,7 +22,7 @@ while a <= n_args do
   local k = tonumber(ARGV[a + 2])
   n, a = n + k, a + 3 + k
 end
-if n == 0 then return {} end
+if n == 0 then return '' end
 -- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
 -- taken as declared, not built and looked up again per request, each id cut from its key;
 -- the ends checked
@@ -73,11 +74,11 @@ while a <= n_args do
       d = d + 1
       done[d] = ids[i]
       if held ~= true then gone[token][ids[i]] = true end
-      flags[i] = 1
+      flags[i] = '1'
     elseif result_text(key) == json then
-      flags[i], replayed = 1, true
+      flags[i], replayed = '1', true
     else
-      flags[i] = 0
+      flags[i] = '0'
     end
     a = a + 1
   end
@@ -99,4 +100,4 @@ if not replayed then
     rcall('HINCRBY', K.stats, name, v)
   end
 end
-return flags
+return table.concat(flags)

@@ -26,8 +26,10 @@
 --           deadline in ms from now (0 = none) and a tenant: those three, the run's
 --           count k, then k pairs: tokens ("~N": an estimate), request JSON
 --           (batching/calls.py enqueue_call: one run for a Client.map call's requests)
--- Returns {1, now_ms, s1..sN} with si = 1 accepted, 0 already known (idempotent; an id
---         repeated within the call is accepted once, with its first payload);
+-- Returns {1, now_ms, "s1..sN"}, one text of a digit a request: si = 1 accepted, 0 already
+--         known (idempotent; an id repeated within the call is accepted once, with its
+--         first payload). One text, not a value each: a value of a script's reply costs
+--         Redis about four times its bytes joined in one;
 --      or {0, code, index, detail}: code 'full' (detail: max_pending),
 --         'too_large' (detail: max_request_bytes), 'priority' (detail: the class),
 --         'memory' (detail: "used_memory/maxmemory"), 'tenant_full' (index: the first
@@ -141,12 +143,12 @@ for _, run in ipairs(runs) do
     i = i + 1
     local id, payload = ids[i], ARGV[a + 1]
     if (seen[id] or some_results or held[i]) and known(i, id) then  -- (a call only then)
-      status[i] = 0  -- known already, or earlier in this call: the first one stands
+      status[i] = '0'  -- known already, or earlier in this call: the first one stands
     else
       seen[id] = true
       if #payload > max_bytes then return {0, 'too_large', i, max_bytes} end
       if not valid then return {0, 'priority', i, priority} end
-      status[i] = 1
+      status[i] = '1'
       run_fresh = run_fresh + 1
       first_of[tenant] = first_of[tenant] or i
       incoming = incoming + #payload + #id + REQUEST_OVERHEAD
@@ -217,7 +219,7 @@ for _, run in ipairs(runs) do
   local rank, tail, head = g.w.rank, ':' .. expire .. g.sched_tail, g.member_head
   for _ = 1, run[5] do
     i = i + 1
-    if status[i] == 1 then
+    if status[i] == '1' then
       local id = ids[i]
       zargs[m + 1], zargs[m + 2] = rank, id
       hargs[m + 1], hargs[m + 2] = id, ARGV[a + 1]
@@ -254,7 +256,6 @@ if fresh > 0 then
   rcall('RPUSH', K.wake, 1)
   rcall('LTRIM', K.wake, -64, -1)
 end
-local reply = {1, now}
-for i = 1, n do reply[i + 2] = status[i] end
+local reply = {1, now, table.concat(status)}
 if fresh > 0 then remember_reply(K.call, reply) end
 return reply
