@@ -284,6 +284,29 @@ def test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused(
     assert [r.output for r in queue.results(["a", "b", "c"])] == ["A", "B", "C"]
 
 
+@pytest.mark.parametrize("change", [-1, 1])
+def test_a_call_whose_result_keys_and_ids_differ_in_number_is_refused(
+        queue: RequestQueue, change: int) -> None:
+    """An enqueue declares exactly one result key an id, a commit one an id and then its
+    reply lists: a call with a key fewer, or an enqueue with one more (a caller's bug), is
+    refused with what is wrong and writes nothing."""
+    requests = [Request(id=i, input=i) for i in ("a", "b")]
+    call = enqueue_call(queue.keys, requests, "")
+    short = call.keys[:-1] if change < 0 else [*call.keys, queue.keys.result("c")]
+    with pytest.raises(redis.ResponseError, match="enqueue needs the result key of each id"):
+        queue._run("enqueue", Call(short, call.args))
+    assert not queue.client.exists(queue.keys.pending, queue.keys.requests)
+    queue.enqueue(requests)
+    batch = queue.claim("w#1", 10, 10_000, 0, 10).batch
+    items = [(r.id, r.lease_token, Result(r.id, "ok", r.id).to_json()) for r in batch]
+    done = complete_call(queue.keys, items, {"requests": 2}, ["", ""])
+    if change < 0:
+        with pytest.raises(redis.ResponseError, match="complete needs the result key of each id"):
+            queue._run("complete", Call(done.keys[:-1], done.args))
+    assert queue.results(["a", "b"]) == [None, None]
+    assert queue.complete(items, {"requests": 2}) == [True, True]
+
+
 def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(
         queue: RequestQueue) -> None:
     """The claim takes a worker's counts as two texts, the ids and their counts: a call whose

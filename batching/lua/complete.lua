@@ -24,25 +24,17 @@ while a <= n_args do
 end
 if n == 0 then return '' end
 -- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
--- taken as declared, not built and looked up again per request, each id cut from its key;
--- the ends checked
-local cut = #result_prefix
-if #KEYS < FIXED + n or string.sub(KEYS[FIXED + 1], 1, cut) ~= result_prefix
-   or string.sub(KEYS[FIXED + n], 1, cut) ~= result_prefix then
-  error('batchery: complete needs the result key of each id in KEYS, in ARGV order')
-end
--- the ids in ARGV's order, and each lease token's among them
-local ids, of_token, i = {}, {}, 0
+-- taken as declared, not built and looked up again per request
+local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, true, 'complete')
+-- each lease token's ids among them
+local of_token, i = {}, 0
 a = 5
 while a <= n_args do
   local token, k = ARGV[a], tonumber(ARGV[a + 2])
   local mine = of_token[token] or {}
   of_token[token] = mine
   local m = #mine
-  for j = 1, k do
-    local id = string.sub(KEYS[FIXED + i + j], cut + 1)
-    ids[i + j], mine[m + j] = id, id
-  end
+  for j = 1, k do mine[m + j] = ids[i + j] end
   i, a = i + k, a + 3 + k
 end
 -- What each token's lease still holds of its ids: all of them when the lease is exactly

@@ -98,9 +98,8 @@ local function over_high_water(incoming, now)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
--- The runs: {priority, deadline, tenant, ARGV index of its first tokens, count}; the ids, in
--- order, are cut from their keys once the keys are checked (below).
-local runs, ids, n, n_args = {}, {}, 0, #ARGV
+-- The runs: {priority, deadline, tenant, ARGV index of its first tokens, count}.
+local runs, n, n_args = {}, 0, #ARGV
 do
   local a = 8
   while a <= n_args do
@@ -114,15 +113,9 @@ end
 -- Two reads for the whole call, not two per request: how many have a result (none, on a
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
--- the result keys are KEYS[FIXED+1..] in ARGV's order (batching/calls.py enqueue_call): taken
--- as declared, not built again per request, each id cut from its key; the count and the
--- ends checked
-local cut = #result_prefix
-if #KEYS ~= FIXED + n or (n > 0 and (string.sub(KEYS[FIXED + 1], 1, cut) ~= result_prefix
-                                  or string.sub(KEYS[FIXED + n], 1, cut) ~= result_prefix)) then
-  error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
-end
-for i = 1, n do ids[i] = string.sub(KEYS[FIXED + i], cut + 1) end
+-- the ids, in order, cut from their result keys KEYS[FIXED+1..] (batching/calls.py
+-- enqueue_call): taken as declared, not built again per request
+local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, false, 'enqueue')
 local some_results = n > 0 and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
 local held = n > 0 and hmget_chunked(K.requests, ids) or {}
 local function known(i, id)
