@@ -80,6 +80,7 @@ class RedisTime:
         self.pid = common.redis_pid(url)
         self.reply_prefix = Keys(queue).reply_prefix
         self.result_prefix = Keys(queue).result_prefix
+        self.requests = Keys(queue).requests  # a claim's payloads, read after its script
         self.by_sha = {hashlib.sha1(scripts.source(name).encode()).hexdigest(): name
                        for name in scripts.NAMES}
 
@@ -115,6 +116,8 @@ class RedisTime:
         if command == "evalsha":
             return SCRIPT_PARTS.get(self.by_sha.get(args[1], ""), "other commands")
         keys = args[1:]
+        if command == "hmget" and keys[:1] == [self.requests]:
+            return "claim"  # the payloads a claim leased and handed ahead (RequestQueue.claim)
         if any(k.startswith((self.reply_prefix, self.result_prefix)) for k in keys):
             return "result delivery"  # the client's reply-list pops and result reads
         return "other commands"

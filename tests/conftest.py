@@ -39,6 +39,27 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 FUZZ_SCALE = max(1, int(os.environ.get("BATCHERY_FUZZ_SCALE", "1") or 1))
 
 
+# Files whose module fixtures start the same heavy processes (model workers and a gateway)
+# run in one test process, one after the other: `--dist loadfile` (the Makefile) would
+# give them to two processes at once, and two such sets of processes starting together on
+# a loaded 2-core machine outran their start deadline.
+SAME_PROCESS = {"tests/test_gateway_batches.py": "tests/test_gateway.py"}
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # no pytest-xdist: one process runs every file in turn anyway
+    pass
+else:
+    class _FilesSharingProcesses(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_PROCESS.get(scope, scope)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """``--dist loadfile`` with SAME_PROCESS's files as one; any other mode as asked."""
+        return _FilesSharingProcesses(config, log) if config.getoption("dist") == "loadfile" else None
+
+
 def examples(n: int) -> int:
     """A property test's example count, scaled up by `make fuzz`."""
     return n * FUZZ_SCALE

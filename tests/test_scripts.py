@@ -487,9 +487,12 @@ def test_a_request_cancelled_between_its_claim_and_the_read_of_its_payload_stays
     first, second = parse_claim(reply, "w#1", payloads).batch
     assert (first.input, first.invalid) == ("a", None)
     assert (second.id, second.input) == ("r1", None) and second.invalid
-    dead = Result("r1", "error", error={"type": "InvalidRequest", "message": second.invalid})
-    assert queue.fail([("r1", "w#1", dead.to_json())]) == [Failed.LEASE_LOST]
-    assert ok(queue, [first]) == [True]
+    invalid = Result("r1", "error", error={"type": "InvalidRequest", "message": second.invalid})
+    # as its worker reports it (a request that cannot run is committed with its error), or
+    # as a failure: either way discarded
+    assert queue.complete([("r1", "w#1", invalid.to_json()), ("r0", "w#1", Result(
+        "r0", "ok", "out").to_json())], {"requests": 2}) == [False, True]
+    assert queue.fail([("r1", "w#1", invalid.to_json())]) == [Failed.LEASE_LOST]
     assert queue.result("r1").status == "cancelled"
     assert queue.result("r0").output == "out"
 

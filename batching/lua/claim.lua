@@ -145,9 +145,9 @@ end
 
 -- The reply: {now, wait, n_expired, head_rank, ids, scheds, attempts, ahead ids} for
 -- out_ids, the expired ones first; scheds: their entries when the caller holds them
--- already. Each list is an array of the reply (nested), as the HMGET that read it
--- returned it: no value is copied into a flat reply per request. No payload: the caller
--- reads them with a plain HMGET (the header).
+-- already. Each list is an array of the reply (nested), as read or built: no value is
+-- copied into a flat reply per request. No payload: the caller reads them with a plain
+-- HMGET (the header).
 -- (attempts are read only when some request has failed: HLEN, once per claim; else {})
 local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
   if #out_ids == 0 then return {now, wait, 0} end

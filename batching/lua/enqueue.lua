@@ -39,8 +39,8 @@
 --         nothing is written then. 'full' gives the shard count as its index: each
 --         shard holds at most ceil(max_pending / shards).
 -- Idempotent: a call that accepted ids remembers its reply under K.call for 60 s; the
--- same call again (the connection retried after a lost reply) gets that reply back, its
--- ids accepted (1), not "already known".
+-- same call again (the connection retried after a lost reply) gets that reply back (its
+-- values as texts: {'1', now, statuses}), its ids accepted (1), not "already known".
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, client = ARGV[1], ARGV[5]

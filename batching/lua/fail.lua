@@ -15,7 +15,8 @@
 -- Returns {f1..fN}: 1 retry scheduled, 2 dead-lettered, 0 discarded (lease lost).
 -- Idempotent: a call that retried or dead-lettered an id remembers its reply under
 -- K.call for 60 s; the same call again (the connection retried after a lost reply)
--- gets that reply back, not 0 for the leases its first run released.
+-- gets that reply back (its values as texts of digits), not 0 for the leases its first
+-- run released.
 local remembered = remembered_reply(K.call)
 if remembered then return remembered end
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
