@@ -8,7 +8,7 @@ import time
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
@@ -495,6 +495,53 @@ def test_a_request_cancelled_between_its_claim_and_the_read_of_its_payload_stays
     assert queue.fail([("r1", "w#1", invalid.to_json())]) == [Failed.LEASE_LOST]
     assert queue.result("r1").status == "cancelled"
     assert queue.result("r0").output == "out"
+
+
+NAME = st.one_of(st.text(min_size=1, max_size=30),
+                 st.sampled_from(["{tag}", "}{", "a:b:c", "x" * 512, "日本語", "🙂", "1", " ",
+                                  "result:x", "r\u2028s"]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(NAME, min_size=1, max_size=10, unique=True), size=st.integers(1, 4))
+def test_any_valid_id_goes_through_enqueue_claim_commit_and_lookup(
+        queue: RequestQueue, names: list[str], size: int) -> None:
+    """A request id is any name check_name lets through: any Unicode but control
+    characters, with colons, braces or a key's own words in it, up to 512 characters. Each
+    is accepted once (again: known), leased once with its own input (its payload read
+    after the claim, its count handed ahead), committed, and read back by id with its own
+    result: an id is cut from its result key whole, and joined with others in a lease
+    without running into them."""
+    q = RequestQueue(queue.client, f"{queue.name}i{next(EXAMPLES)}")
+    made = []
+    for name in names:
+        try:
+            made.append(Request.validated(id=name, input=["in", name]))
+        except InvalidRequest:
+            pass
+    assume(made)
+    ids = [r.id for r in made]
+    assert q.enqueue(made, "c1") == [True] * len(made)
+    assert q.enqueue(made, "c1") == [False] * len(made)
+    leased, ahead = [], []
+    for claims in range(1, 2 * len(made) + 3):
+        token = f"w#{claims}"
+        reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                        counts=[(i, 1) for i, _ in ahead])
+        if reply.to_price:
+            reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                            counts=[(i, 1) for i, _ in reply.to_price])
+        ahead = reply.price_ahead
+        assert all(r.invalid is None and r.input == ["in", r.id] for r in reply.batch)
+        items = [(r.id, r.lease_token, Result(r.id, "ok", {"of": r.id}).to_json())
+                 for r in reply.batch]
+        assert q.complete(items, {"requests": len(items)}) == [True] * len(items)
+        leased += [r.id for r in reply.batch]
+        if reply.nothing_pending:
+            break
+    assert sorted(leased) == sorted(ids)
+    assert [(r.id, r.output) for r in q.results(ids)] == [(i, {"of": i}) for i in ids]
+    assert q.enqueue(made, "c1") == [False] * len(made)  # known by its result
 
 
 def test_what_a_claim_prices_ahead_follows_what_its_candidates_were(queue: RequestQueue) -> None:
