@@ -4,21 +4,21 @@ Every script call is built here and its reply read here, whoever makes it: Reque
 (batching/queue.py), its asyncio twin (batching/async_queue.py) and the inspection
 calls (batching/inspection.py) send what these functions return. A call's fixed KEYS
 come from batching/scripts.py FIXED_KEYS, the one place their order is written; what a
-script answers with is read into named values (``Failed``, ``Cancelled``, ``ClaimReply``).
+script answers with is read into named values (``Failed``, ``Cancelled``). The claim's
+own call and reply: batching/claim_call.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import numbers
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import CANCELLED, Claimed, Result, stored_input
+from batchery.batching.messages import CANCELLED, Result
 from batchery.batching.request import DEFAULT_TENANT, Request
 from batchery.batching.pricing import estimate_tokens
 from batchery.batching.scripts import FIXED_KEYS
@@ -28,9 +28,6 @@ from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsCh
 log = logging.getLogger(__name__)
 RETRY_BACKOFF_BASE_MS = 500   # a failed request's first retry after half a second: a blip passes
 RETRY_BACKOFF_CAP_MS = 60_000  # ... doubling up to a minute
-MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
-NOTHING_PENDING = -1          # a claim's wait_ms when the queue holds nothing it could lease
-TO_PRICE = -2                 # ... when it leased nothing: its candidates need counting first
 
 
 class Failed(IntEnum):
@@ -64,24 +61,6 @@ class Call:
 
 
 @dataclass
-class ClaimReply:
-    now_ms: int
-    wait_ms: int      # > 0: held back; NOTHING_PENDING: nothing to lease
-    expired: list[Claimed] = field(default_factory=list)
-    batch: list[Claimed] = field(default_factory=list)
-    # candidates priced by estimate, (id, input): count them, claim again with the counts
-    to_price: list[tuple[str, Any]] = field(default_factory=list)
-    # with a batch: requests next in line, (id, input), for a counting worker to count now
-    # and send with its next claim (which then needs no pricing round); the claim hands
-    # them over when its own candidates were estimated (lua/claim.lua: "priced ahead")
-    price_ahead: list[tuple[str, Any]] = field(default_factory=list)
-
-    @property
-    def nothing_pending(self) -> bool:
-        return self.wait_ms == NOTHING_PENDING
-
-
-@dataclass
 class Reaped:
     """What one reap took back: ids back in the queue, ids dead-lettered."""
 
@@ -95,12 +74,16 @@ def fixed_keys(k: Keys, script: str, **made: str) -> list[str]:
     return [made[name] if name in made else getattr(k, name) for name in FIXED_KEYS[script]]
 
 
-def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1) -> Call:
+def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1,
+                 unsent_own_ids: bool = False) -> Call:
     """The enqueue script's KEYS and ARGV (see lua/enqueue.lua); ``shards``: the shard
-    count the caller routed by (the script refuses when the queue's differs)."""
+    count the caller routed by (the script refuses when the queue's differs);
+    ``unsent_own_ids``: every id was made by the calling client and none was sent before
+    (request.first_send), so the script skips its duplicate check."""
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
-                       delays, client_id, DEFAULTS.memory_high_water, shards]
+                       delays, client_id, DEFAULTS.memory_high_water, shards,
+                       int(unsent_own_ids)]
     run = -1  # where the current run's count is in args: a run shares these three
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
@@ -207,67 +190,6 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
     raise InvalidRequest(f"request {request.id!r}: unknown priority class {detail!r}; use "
                          "realtime, normal, batch, a class set with `batchery queue config "
                          "--class-delay`, or an integer delay in seconds")
-
-
-def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
-               max_wait_ms: int, lookahead: int, price_estimates: bool,
-               counts: Sequence[tuple[str, int]], ceiling: float | None) -> Call:
-    """The claim script's KEYS and ARGV (see lua/claim.lua and RequestQueue.claim)."""
-    return Call(fixed_keys(k, "claim", claim=k.claim(token)),
-                [token, max_batch_size, max_batch_tokens, max_wait_ms,
-                 min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-                 "" if ceiling is None else int(ceiling), *joined_counts(counts)])
-
-
-def joined_counts(counts: Sequence[tuple[str, Any]]) -> list[str]:
-    """A worker's counts as the claim takes them: the ids joined by newlines, the counts by
-    commas. A count that is not a positive integer goes as '' (the claim ignores it), never
-    as text that could shift the counts after it; an id holding a newline (not one a
-    producer validates) is left out: its request is priced again."""
-    sent = [(i, c) for i, c in counts if "\n" not in i]
-    return ["\n".join(i for i, _ in sent), ",".join(count_text(c) for _, c in sent)]
-
-
-def count_text(count: Any) -> str:
-    """A positive integer's digits (numpy's integers too); '' for anything else."""
-    if isinstance(count, numbers.Integral) and not isinstance(count, bool) and count > 0:
-        return str(int(count))
-    return ""
-
-
-def claim_payload_ids(reply: list[Any]) -> list[str]:
-    """The ids whose payloads the caller of a claim reads after it, with one plain
-    ``HMGET`` of ``requests``, in this order: the candidates to price, or the ids leased
-    and then the ones handed ahead (lua/claim.lua: a value a script reads costs Redis about
-    three times a plain read's)."""
-    if int(reply[1]) == TO_PRICE:
-        return list(reply[3:])
-    if len(reply) == 3:
-        return []
-    return [*reply[4], *reply[7]]
-
-
-def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) -> ClaimReply:
-    """The claim's reply with the payloads of ``claim_payload_ids(reply)``, read after it.
-    A request leased whose payload is gone (cancelled since) is handed over as one that
-    cannot run (Claimed.decode), as one whose payload is missing: its lease was taken with
-    it, so what its worker reports is discarded. One handed ahead whose payload is gone
-    (taken and finished by another worker since) is left out."""
-    now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
-    if wait_ms == TO_PRICE:
-        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
-                                               for i, p in zip(reply[3:], payloads, strict=True)])
-    if len(reply) == 3:  # nothing leased
-        return ClaimReply(now_ms, wait_ms)
-    head = int(reply[3])  # the rank the batch was chosen against
-    # each list an array of the reply; attempts empty when no request has failed
-    ids, scheds, failures, ahead = reply[4:8]
-    n = len(ids)
-    claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
-               in zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True)]
-    priced_ahead = zip(ahead, payloads[n:], strict=True)
-    return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
-                      price_ahead=[(i, stored_input(p)) for i, p in priced_ahead if p is not None])
 
 
 def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],

@@ -12,14 +12,14 @@ from typing import Any, Callable, Sequence
 
 import redis
 
-from batchery.batching.calls import (Call, Cancelled, ClaimReply, Failed, Reaped, attach_call,
-                                     cancel_call, claim_call, claim_payload_ids, complete_call,
-                                     declared_keys, enqueue_call, fail_call, lookup_call,
-                                     memory_full, parse_cancel, parse_claim, parse_clients,
+from batchery.batching.calls import (Call, Cancelled, Failed, Reaped, attach_call, cancel_call,
+                                     complete_call, declared_keys, enqueue_call, fail_call,
+                                     lookup_call, memory_full, parse_cancel, parse_clients,
                                      parse_enqueue, parse_fail, parse_lookup, parse_reap,
                                      parse_reply_read, reap_call,
                                      release_call, renew_call, reply_read, workers_call,
                                      fold_call)
+from batchery.batching.claim_call import ClaimReply, claim_call, claim_payload_ids, parse_claim
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
@@ -56,13 +56,14 @@ class RequestQueue(QueueInspection):
         self.client.sadd(QUEUES, self.name)
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "",
-                shards: int = 1) -> list[bool]:
+                shards: int = 1, unsent_own_ids: bool = False) -> list[bool]:
         """Accept requests all or nothing; True for each new one, False if already known.
 
         Raises QueueFull (reason ``max_pending`` or ``memory``), or InvalidRequest;
         ShardsChanged when the queue's shard count is not ``shards`` (route again).
+        ``unsent_own_ids``: as enqueue_call (request.first_send said so).
         """
-        call = enqueue_call(self.keys, requests, client_id, shards)
+        call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
         try:
             reply = self._run("enqueue", call)
         except redis.OutOfMemoryError as exc:
@@ -70,16 +71,16 @@ class RequestQueue(QueueInspection):
         return parse_enqueue(reply, requests)
 
     def enqueue_in(self, pipe: Any, requests: Sequence[Request], client_id: str = "",
-                   shards: int = 1) -> Callable[[Any], list[bool]]:
+                   shards: int = 1, unsent_own_ids: bool = False) -> Callable[[Any], list[bool]]:
         """``enqueue``'s script call, added to the pipeline ``pipe`` (run with
         ``raise_on_error=False``); returns what reads its reply, as ``enqueue`` would
         return or raise. A script the server lost (NOSCRIPT) is loaded and run then."""
-        call = enqueue_call(self.keys, requests, client_id, shards)
+        call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
         pipe.evalsha(self.scripts.enqueue.sha, len(call.keys), *call.keys, *call.args)
 
         def read(reply: Any) -> list[bool]:
             if isinstance(reply, redis.exceptions.NoScriptError):  # it did not run
-                return self.enqueue(requests, client_id, shards)
+                return self.enqueue(requests, client_id, shards, unsent_own_ids)
             if isinstance(reply, redis.ResponseError):
                 error = refined(reply)
                 raise (memory_full(error) if isinstance(error, redis.OutOfMemoryError) else error)

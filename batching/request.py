@@ -13,8 +13,8 @@ import math
 import re
 import secrets
 from collections import abc
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from batchery.batching.codec import encode, frozen
 from batchery.batching.settings import CLASS_NAME, MAX_CLASS_DELAY_S
@@ -44,6 +44,9 @@ class Request:
     meta: dict[str, Any] | None = None
     trace: str | None = None  # W3C traceparent of the producer's span (batchery/tracing.py)
     tenant: str = DEFAULT_TENANT  # who it is served for: fair share between tenants of a class
+    # its id was made by the client that built it, and it has been in no enqueue call yet
+    # (first_send): no such id can be known to the queue
+    unsent_own_id: bool = field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def validated(cls, id: Any, input: Any, priority: Any = DEFAULT_PRIORITY, deadline: Any = None,
@@ -68,7 +71,7 @@ class Request:
         __init__."""
         return frozen(Request, {"id": id, "input": input, "priority": self.priority,
                                  "deadline": self.deadline, "tokens": tokens, "meta": self.meta,
-                                 "trace": None, "tenant": self.tenant})
+                                 "trace": None, "tenant": self.tenant, "unsent_own_id": True})
 
     def payload(self) -> bytes:
         """The JSON stored in Redis for the worker: input, meta, and the trace context
@@ -196,11 +199,27 @@ def make_request(fields: Mapping[str, Any], new_id: Callable[[], str],
     if "input" not in fields:
         raise InvalidRequest("request has no 'input'")
     request_id = fields.get("id")
-    return Request.validated(id=new_id() if request_id is None else request_id,
+    made = Request.validated(id=new_id() if request_id is None else request_id,
                              input=fields["input"], priority=_given(fields, "priority", DEFAULT_PRIORITY),
                              deadline=fields.get("deadline"), tokens=fields.get("tokens"),
                              meta=fields.get("meta"), count=count,
                              tenant=_given(fields, "tenant", tenant))
+    if request_id is None:
+        object.__setattr__(made, "unsent_own_id", True)
+    return made
+
+
+def first_send(requests: Sequence[Request]) -> bool:
+    """Whether every request's id was made by this client for it and none has been in an
+    enqueue call before: then no such id can be known to the queue, and the enqueue skips
+    its duplicate check (lua/enqueue.lua). Each is marked sent either way, so a request
+    sent again (a refused group sent caller by caller, a call whose reply was lost, a
+    sharded call another shard accepted a part of) is checked as any other."""
+    own = all(r.unsent_own_id for r in requests)
+    for r in requests:
+        if r.unsent_own_id:
+            object.__setattr__(r, "unsent_own_id", False)
+    return own
 
 
 def _given(fields: Mapping[str, Any], name: str, default: Any) -> Any:

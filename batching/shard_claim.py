@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from batchery.batching.calls import ClaimReply
+from batchery.batching.claim_call import ClaimReply
 from batchery.batching.keys import shard_of
 from batchery.batching.queue import RequestQueue
 from batchery.batching.shard_layout import ShardLayout

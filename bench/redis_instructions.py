@@ -67,8 +67,10 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
         values = [texts[first + i] if texts else i for i in range(lo, hi)]
         return [Request(id=f"{prefix}{i}", input=v, **({"tokens": words(v)} if exact else {}))
                 for i, v in zip(range(lo, hi), values)]
+    # ids new to the queue, as Client.map's (which the client makes): no duplicate check
     for lo in range(0, backlog, enqueue_batch):
-        queue.enqueue(requests("b", lo, min(backlog, lo + enqueue_batch), n), "bench")
+        queue.enqueue(requests("b", lo, min(backlog, lo + enqueue_batch), n), "bench",
+                      unsent_own_ids=True)
     dump("")  # the backlog's enqueues are not counted
     ahead: list[Any] = []
     claims = 0
@@ -79,7 +81,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                            DEFAULTS.claim_lookahead, True, counts)
     for lo in range(0, n, enqueue_batch):
         size = min(enqueue_batch, n - lo)
-        queue.enqueue(requests("r", lo, lo + size, 0), "bench")
+        queue.enqueue(requests("r", lo, lo + size, 0), "bench", unsent_own_ids=True)
         dump("enqueue")
         got, held = 0, []
         while got < size or held:

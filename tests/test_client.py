@@ -231,6 +231,30 @@ def test_async_enqueues_started_together_go_as_one_call(private_redis: RedisServ
     rconn.close()
 
 
+def test_a_clients_own_new_ids_skip_the_duplicate_check_on_their_first_send(
+        private_redis: RedisServer, queue_name: str) -> None:
+    """Ids the client made for requests it has not sent before cannot be known to the
+    queue: their enqueue reads no result key and no request (the duplicate check, a sixth
+    of an enqueue's cost). Ids the caller gives are checked, as is a request sent again.
+    (A server of its own: the reads counted are this test's alone.)"""
+    rconn = RedisSettings.from_url(private_redis.url).client()
+
+    def checks() -> int:
+        stats = rconn.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("exists", "hmget"))
+    with Client(private_redis.url, queue_name) as client:
+        client.enqueue("warm")
+        before = checks()
+        handles = client.enqueue_many({"input": i} for i in range(50))
+        assert checks() == before
+        assert client.queue.lookup([h.id for h in handles]) == [True] * 50
+        client.enqueue_many([{"input": 1, "id": "given-1"}, {"input": 2}])
+        assert checks() > before
+        assert client.enqueue_many([{"input": 1, "id": "given-1"}])[0].id == "given-1"
+        assert client.queue.stats()["pending"] == 53  # given-1 once
+    rconn.close()
+
+
 def test_sync_enqueues_from_many_threads_go_as_few_calls(private_redis: RedisServer,
                                                          queue_name: str) -> None:
     """The sync Client shared by a thread pool: one-request enqueues made at once share

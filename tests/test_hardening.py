@@ -11,7 +11,8 @@ import redis
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import Call, Reaped, claim_call, complete_call, enqueue_call
+from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
+from batchery.batching.claim_call import claim_call
 from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import FIXED_KEYS, NAMES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
-from batchery.batching.calls import (Cancelled, Failed, Reaped, claim_call, claim_payload_ids,
-                                     parse_claim)
+from batchery.batching.calls import Cancelled, Failed, Reaped
+from batchery.batching.claim_call import claim_call, claim_payload_ids, parse_claim
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 

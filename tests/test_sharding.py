@@ -23,7 +23,7 @@ from batchery.batching.scripts import source
 from batchery.batching.shard_claim import SHARD_SLACK_MS
 from batchery.batching.sharded import open_queue
 from batchery.connection import RedisSettings
-from batchery.errors import InvalidRequest, QueueFull
+from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge
 from batchery.workers.claiming import Claimer
 from batchery.workers.execution import Batch, BatchCap
 from batchery.workers.leases import Leases
@@ -228,6 +228,40 @@ def test_enqueue_sends_its_shards_at_once(target: Target, queue_name: str) -> No
     fresh = ids_on_every_shard("n", 3, 2)
     assert queue.n == 3 and queue.enqueue([Request(id=i, input="x") for i in fresh]) == [True] * 6
     assert queue.n == 2 and queue.stats()["pending"] == 6
+    conn.close()
+
+
+def test_a_group_sent_again_caller_by_caller_is_checked_and_queued_once(
+        target: Target, queue_name: str) -> None:
+    """A client's own new ids skip the enqueue's duplicate check on their first send only.
+    Enqueues made together go as one call over the shards; one shard refuses its part (a
+    request too large), another takes its own; the group is sent again caller by caller,
+    and the requests that shard took are checked then (known: not queued again), the
+    others queued: each request is pending once, and the counts agree."""
+    configure(target.url, queue_name, "--shards", "2", "--max-request-bytes", "200",
+              *target.flags)
+    conn = RedisSettings.from_url(target.url, cluster=target.cluster).client()
+
+    async def together() -> list:
+        async with AsyncClient(target.url, queue_name, cluster=target.cluster) as client:
+            return await asyncio.gather(*(client.enqueue(f"ok {i}") for i in range(24)),
+                                        client.enqueue("x" * 500), return_exceptions=True)
+    outcomes = asyncio.run(together())
+    assert isinstance(outcomes[-1], RequestTooLarge), outcomes[-1]
+    handles = outcomes[:-1]
+    assert all(hasattr(h, "id") for h in handles), handles
+    queue = open_queue(conn, queue_name)
+    shards = queue.shards
+    on = [sum(shard_of(h.id, 2) == i for h in handles) for i in range(2)]
+    assert all(on), on  # (24 random ids on 2 shards: both hold some)
+    assert queue.stats()["pending"] == 24
+    for shard in shards:
+        keys = shard.keys
+        queued = conn.zcard(keys.pending)
+        assert shard.stats(workers=False)["totals"].get("enqueued", 0) == queued
+        assert int(conn.hget(keys.depth, "normal") or 0) == queued
+    assert sorted(i for s in shards for i in conn.zrange(s.keys.pending, 0, -1)) == \
+        sorted(h.id for h in handles)
     conn.close()
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import redis
 
-from batchery.batching.calls import ClaimReply
+from batchery.batching.claim_call import ClaimReply
 from batchery.batching.messages import Claimed
 from batchery.batching.pricing import exact_counts
 from batchery.batching.sharded import ShardedQueue

@@ -22,7 +22,11 @@
 -- ARGV[6] default memory_high_water: refuse new requests once Redis' used_memory is
 --         over this fraction of its maxmemory (0, or no maxmemory: no check)
 -- ARGV[7] the shard count the caller routed by (QueueSettings.shards as it read them)
--- ARGV[8..] runs of requests that share a priority (class name or integer seconds), a
+-- ARGV[8] 1: every id was made by the calling client and none was in a call before
+--         (batching/request.py first_send): none can be known, so the duplicate check
+--         (a read of each result key and of `requests`: a sixth of an enqueue) is skipped;
+--         ids repeated within the call are still accepted once. 0: checked.
+-- ARGV[9..] runs of requests that share a priority (class name or integer seconds), a
 --           deadline in ms from now (0 = none) and a tenant: those three, the run's
 --           count k, then k pairs: tokens ("~N": an estimate), request JSON
 --           (batching/calls.py enqueue_call: one run for a Client.map call's requests)
@@ -101,7 +105,7 @@ end
 -- The runs: {priority, deadline, tenant, ARGV index of its first tokens, count}.
 local runs, n, n_args = {}, 0, #ARGV
 do
-  local a = 8
+  local a = 9
   while a <= n_args do
     local k = tonumber(ARGV[a + 3])
     runs[#runs + 1] = {ARGV[a], ARGV[a + 1], ARGV[a + 2], a + 4, k}
@@ -116,8 +120,9 @@ local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
 -- the ids, in order, cut from their result keys KEYS[FIXED+1..] (batching/calls.py
 -- enqueue_call): taken as declared, not built again per request
 local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, false, 'enqueue')
-local some_results = n > 0 and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
-local held = n > 0 and hmget_chunked(K.requests, ids) or {}
+local checked = n > 0 and ARGV[8] ~= '1'
+local some_results = checked and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
+local held = checked and hmget_chunked(K.requests, ids) or {}
 local function known(i, id)
   if seen[id] or (some_results and rcall('EXISTS', KEYS[FIXED + i]) == 1) then return true end
   if not held[i] then return false end
