@@ -63,7 +63,10 @@ class RequestQueue(QueueInspection):
         ShardsChanged when the queue's shard count is not ``shards`` (route again).
         ``unsent_own_ids``: as enqueue_call (request.first_send said so).
         """
-        call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
+        return self._enqueue(enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids),
+                             requests)
+
+    def _enqueue(self, call: Call, requests: Sequence[Request]) -> list[bool]:
         try:
             reply = self._run("enqueue", call)
         except redis.OutOfMemoryError as exc:
@@ -74,13 +77,15 @@ class RequestQueue(QueueInspection):
                    shards: int = 1, unsent_own_ids: bool = False) -> Callable[[Any], list[bool]]:
         """``enqueue``'s script call, added to the pipeline ``pipe`` (run with
         ``raise_on_error=False``); returns what reads its reply, as ``enqueue`` would
-        return or raise. A script the server lost (NOSCRIPT) is loaded and run then."""
+        return or raise. A script the server lost (NOSCRIPT) is loaded and the same call run
+        then: the pipeline may be the connection's retry of one whose first run's reply was
+        lost, which the script answers again from its memory under the call's key."""
         call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
         pipe.evalsha(self.scripts.enqueue.sha, len(call.keys), *call.keys, *call.args)
 
         def read(reply: Any) -> list[bool]:
-            if isinstance(reply, redis.exceptions.NoScriptError):  # it did not run
-                return self.enqueue(requests, client_id, shards, unsent_own_ids)
+            if isinstance(reply, redis.exceptions.NoScriptError):  # this attempt did not run
+                return self._enqueue(call, requests)
             if isinstance(reply, redis.ResponseError):
                 error = refined(reply)
                 raise (memory_full(error) if isinstance(error, redis.OutOfMemoryError) else error)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import secrets
 from collections import abc
@@ -175,14 +176,23 @@ def check_meta(value: Any) -> dict[str, Any] | None:
     return value
 
 
+# forks of this process so far, as a forked child counts them: a client made before a fork
+# (a server's workers preloaded, a pool of forked processes) is in each child
+_FORKS = [0]
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+
+
 class RequestIds:
-    """Unique request ids without a uuid per request: a random prefix and a counter."""
+    """Unique request ids without a uuid per request: a random prefix and a counter, the
+    prefix drawn again in a forked child (two children never make the same id: an id the
+    client made skips the enqueue's duplicate check, first_send)."""
 
     def __init__(self) -> None:
-        self._prefix = secrets.token_hex(8)
-        self._counter = itertools.count()
+        self._fork = -1
 
     def __call__(self) -> str:
+        if self._fork != _FORKS[0]:
+            self._fork, self._prefix, self._counter = _FORKS[0], secrets.token_hex(8), itertools.count()
         return f"{self._prefix}-{next(self._counter)}"
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
 import pytest
 
 from batchery import AsyncClient, Client, InvalidRequest, QueueFull, RequestTooLarge, ResultTimeout
+from batchery.batching.request import RequestIds, first_send, map_requests
 from batchery.connection import RedisSettings
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
@@ -233,10 +235,11 @@ def test_async_enqueues_started_together_go_as_one_call(private_redis: RedisServ
 
 def test_a_clients_own_new_ids_skip_the_duplicate_check_on_their_first_send(
         private_redis: RedisServer, queue_name: str) -> None:
-    """Ids the client made for requests it has not sent before cannot be known to the
-    queue: their enqueue reads no result key and no request (the duplicate check, a sixth
-    of an enqueue's cost). Ids the caller gives are checked, as is a request sent again.
-    (A server of its own: the reads counted are this test's alone.)"""
+    """Ids the client made for requests it has not sent before (enqueue, map) cannot be
+    known to the queue: their enqueue reads no result key and no request (the duplicate
+    check, a sixth of an enqueue's cost); once sent, a request is checked if sent again.
+    Ids the caller gives are checked: one given twice is queued once. (A server of its
+    own: the reads counted are this test's alone.)"""
     rconn = RedisSettings.from_url(private_redis.url).client()
 
     def checks() -> int:
@@ -251,8 +254,31 @@ def test_a_clients_own_new_ids_skip_the_duplicate_check_on_their_first_send(
         client.enqueue_many([{"input": 1, "id": "given-1"}, {"input": 2}])
         assert checks() > before
         assert client.enqueue_many([{"input": 1, "id": "given-1"}])[0].id == "given-1"
-        assert client.queue.stats()["pending"] == 53  # given-1 once
+        stats = client.queue.stats()
+        assert stats["pending"] == stats["totals"]["enqueued"] == 53  # given-1 once
+        assert int(rconn.hget(client.queue.first.keys.depth, "normal")) == 53
     rconn.close()
+    made = list(map_requests(range(3), "normal", None, RequestIds(), lambda value: None))
+    assert first_send(made) and not first_send(made)  # map's own ids; sent, then checked
+
+
+def test_request_ids_made_in_a_forked_child_are_its_own() -> None:
+    """A client made before a fork (a server's preloaded workers, a pool of forked
+    processes) is in each child: the ids each one makes differ (an id the client made
+    skips the enqueue's duplicate check)."""
+    ids = RequestIds()
+    before = ids()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, then gone
+        os.write(write, ids().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 200).decode()
+    os.close(read)
+    after = ids()
+    assert child.rsplit("-", 1)[0] != before.rsplit("-", 1)[0] == after.rsplit("-", 1)[0]
 
 
 def test_sync_enqueues_from_many_threads_go_as_few_calls(private_redis: RedisServer,

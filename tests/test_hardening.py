@@ -308,6 +308,25 @@ def test_a_call_whose_result_keys_and_ids_differ_in_number_is_refused(
     assert queue.complete(items, {"requests": 2}) == [True, True]
 
 
+def test_an_enqueue_sent_again_to_a_server_that_lost_its_scripts_is_answered_from_its_first_run(
+        queue: RequestQueue) -> None:
+    """A pipelined enqueue (a sharded queue's) ran, its reply was lost, and the server
+    lost its scripts before the connection sent it again (a restart, a failover, SCRIPT
+    FLUSH): the retry's NOSCRIPT has the same call loaded and run under its own call key,
+    which answers from its first run: accepted, queued and counted once. (The client's own
+    new ids skip the duplicate check: that memory is what keeps them from a second run.)"""
+    made = [Request.validated(id=i, input=i) for i in ("a", "b", "c")]
+    queue.client.script_load(source("enqueue"))
+    pipe = queue.client.pipeline(transaction=False)
+    read = queue.enqueue_in(pipe, made, "c1", 1, unsent_own_ids=True)
+    assert pipe.execute(raise_on_error=False)[0][2] == "111"  # it ran; its reply is lost
+    queue.client.script_flush()
+    assert read(redis.exceptions.NoScriptError("NOSCRIPT No matching script")) == [True] * 3
+    stats = queue.stats()
+    assert stats["pending"] == stats["totals"]["enqueued"] == 3
+    assert int(queue.client.hget(queue.keys.depth, "normal")) == 3
+
+
 def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(
         queue: RequestQueue) -> None:
     """The claim takes a worker's counts as two texts, the ids and their counts: a call whose
