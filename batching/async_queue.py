@@ -40,8 +40,8 @@ class AsyncRequestQueue:
         return QueueSettings.from_redis(await self.client.hgetall(self.keys.settings))
 
     async def enqueue(self, requests: Sequence[Request], client_id: str = "",
-                      shards: int = 1, unsent_own_ids: bool = False) -> list[bool]:
-        call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
+                      shards: int = 1) -> list[bool]:
+        call = enqueue_call(self.keys, requests, client_id, shards)
         try:
             reply = await self.scripts.enqueue(call.keys, call.args)
         except redis.OutOfMemoryError as exc:

@@ -72,8 +72,7 @@ class AsyncShardedQueue:
     def follow_routes(self, listener: Callable[[Sequence[str]], None]) -> None:
         self.route_listeners.append(listener)
 
-    async def enqueue(self, requests: Sequence[Request], client_id: str = "",
-                      unsent_own_ids: bool = False) -> list[bool]:
+    async def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
         """As ShardedQueue.enqueue."""
         for attempt in range(RELAYOUT_TRIES):
             shards = self.shards
@@ -82,9 +81,8 @@ class AsyncShardedQueue:
                 for listener in self.route_listeners:
                     listener([shards[i].keys.tag for i in groups])
             flags = [False] * len(requests)
-            unchecked = unsent_own_ids and attempt == 0  # re-routed: a shard may have its part
-            sends = [shards[i].enqueue([requests[p] for p in positions], client_id, len(shards),
-                                       unchecked) for i, positions in groups.items()]
+            sends = [shards[i].enqueue([requests[p] for p in positions], client_id, len(shards))
+                     for i, positions in groups.items()]
             # at once; once all are answered, the first error (as ShardedQueue.enqueue)
             replies = await asyncio.gather(*sends, return_exceptions=True)
             try:

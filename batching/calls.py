@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from batchery.batching.keys import Keys
 from batchery.batching.messages import CANCELLED, Result
-from batchery.batching.request import DEFAULT_TENANT, Request
+from batchery.batching.request import DEFAULT_TENANT, Request, first_send
 from batchery.batching.pricing import estimate_tokens
 from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
@@ -74,16 +74,17 @@ def fixed_keys(k: Keys, script: str, **made: str) -> list[str]:
     return [made[name] if name in made else getattr(k, name) for name in FIXED_KEYS[script]]
 
 
-def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1,
-                 unsent_own_ids: bool = False) -> Call:
+def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: int = 1) -> Call:
     """The enqueue script's KEYS and ARGV (see lua/enqueue.lua); ``shards``: the shard
-    count the caller routed by (the script refuses when the queue's differs);
-    ``unsent_own_ids``: every id was made by the calling client and none was sent before
-    (request.first_send), so the script skips its duplicate check."""
+    count the caller routed by (the script refuses when the queue's differs). Every
+    enqueue is built here, so this is where its requests are marked sent (first_send):
+    a call of requests whose ids their client made and never sent before tells the script
+    to skip its duplicate check; any later call of them is checked, whatever sends it
+    (a group sent again caller by caller, a call routed again)."""
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
                        delays, client_id, DEFAULTS.memory_high_water, shards,
-                       int(unsent_own_ids)]
+                       int(first_send(requests))]
     run = -1  # where the current run's count is in args: a run shares these three
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"

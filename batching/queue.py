@@ -56,15 +56,13 @@ class RequestQueue(QueueInspection):
         self.client.sadd(QUEUES, self.name)
 
     def enqueue(self, requests: Sequence[Request], client_id: str = "",
-                shards: int = 1, unsent_own_ids: bool = False) -> list[bool]:
+                shards: int = 1) -> list[bool]:
         """Accept requests all or nothing; True for each new one, False if already known.
 
         Raises QueueFull (reason ``max_pending`` or ``memory``), or InvalidRequest;
         ShardsChanged when the queue's shard count is not ``shards`` (route again).
-        ``unsent_own_ids``: as enqueue_call (request.first_send said so).
         """
-        return self._enqueue(enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids),
-                             requests)
+        return self._enqueue(enqueue_call(self.keys, requests, client_id, shards), requests)
 
     def _enqueue(self, call: Call, requests: Sequence[Request]) -> list[bool]:
         try:
@@ -74,13 +72,13 @@ class RequestQueue(QueueInspection):
         return parse_enqueue(reply, requests)
 
     def enqueue_in(self, pipe: Any, requests: Sequence[Request], client_id: str = "",
-                   shards: int = 1, unsent_own_ids: bool = False) -> Callable[[Any], list[bool]]:
+                   shards: int = 1) -> Callable[[Any], list[bool]]:
         """``enqueue``'s script call, added to the pipeline ``pipe`` (run with
         ``raise_on_error=False``); returns what reads its reply, as ``enqueue`` would
         return or raise. A script the server lost (NOSCRIPT) is loaded and the same call run
         then: the pipeline may be the connection's retry of one whose first run's reply was
         lost, which the script answers again from its memory under the call's key."""
-        call = enqueue_call(self.keys, requests, client_id, shards, unsent_own_ids)
+        call = enqueue_call(self.keys, requests, client_id, shards)
         pipe.evalsha(self.scripts.enqueue.sha, len(call.keys), *call.keys, *call.args)
 
         def read(reply: Any) -> list[bool]:

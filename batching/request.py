@@ -224,7 +224,8 @@ def first_send(requests: Sequence[Request]) -> bool:
     enqueue call before: then no such id can be known to the queue, and the enqueue skips
     its duplicate check (lua/enqueue.lua). Each is marked sent either way, so a request
     sent again (a refused group sent caller by caller, a call whose reply was lost, a
-    sharded call another shard accepted a part of) is checked as any other."""
+    sharded call another shard accepted a part of) is checked as any other. Called where
+    every enqueue call is built (calls.enqueue_call)."""
     own = all(r.unsent_own_id for r in requests)
     for r in requests:
         if r.unsent_own_id:

@@ -25,17 +25,14 @@ class ProducerCalls(ShardLayout):
         is about to send to: the client's reply listener reads their reply lists."""
         self.route_listeners.append(listener)
 
-    def enqueue(self, requests: Sequence[Request], client_id: str = "",
-                unsent_own_ids: bool = False) -> list[bool]:
+    def enqueue(self, requests: Sequence[Request], client_id: str = "") -> list[bool]:
         """Accept requests, all or nothing per shard (one script call per shard their ids
         fall on, sent at once); a shard count changed since this queue read it is read
-        again and the requests re-routed, their ids checked then (a shard may have taken
-        its part). Raises what RequestQueue.enqueue raises. ``unsent_own_ids``: as
-        RequestQueue.enqueue."""
+        again and the requests re-routed. Raises what RequestQueue.enqueue raises."""
         for attempt in range(RELAYOUT_TRIES):
             shards = self.shards
             try:
-                return self._enqueue(shards, requests, client_id, unsent_own_ids and attempt == 0)
+                return self._enqueue(shards, requests, client_id)
             except ShardsChanged as changed:
                 if attempt == RELAYOUT_TRIES - 1:
                     raise ConfigError(f"queue {self.name!r} keeps changing its shard count "
@@ -44,27 +41,26 @@ class ProducerCalls(ShardLayout):
         raise AssertionError("unreachable")
 
     def _enqueue(self, shards: tuple[RequestQueue, ...], requests: Sequence[Request],
-                 client_id: str, unsent_own_ids: bool) -> list[bool]:
+                 client_id: str) -> list[bool]:
         n = len(shards)
         if n == 1:
             if client_id:
                 for listener in self.route_listeners:
                     listener((self.name,))
-            return shards[0].enqueue(requests, client_id, 1, unsent_own_ids)
+            return shards[0].enqueue(requests, client_id, 1)
         groups = grouped([r.id for r in requests], n)
         if client_id:
             for listener in self.route_listeners:
                 listener([shards[i].keys.tag for i in groups])
         parts = [(shards[i], [requests[p] for p in positions]) for i, positions in groups.items()]
         flags = [False] * len(requests)
-        for positions, accepted in zip(groups.values(),
-                                       self._enqueue_parts(parts, client_id, n, unsent_own_ids)):
+        for positions, accepted in zip(groups.values(), self._enqueue_parts(parts, client_id, n)):
             for p, flag in zip(positions, accepted):
                 flags[p] = flag
         return flags
 
     def _enqueue_parts(self, parts: list[tuple[RequestQueue, list[Request]]], client_id: str,
-                       n: int, unsent_own_ids: bool) -> list[list[bool]]:
+                       n: int) -> list[list[bool]]:
         """Each shard's enqueue of its part, all sent at once rather than one shard after
         another: on a single Redis in one pipeline, on a Cluster (whose pipelines refuse
         EVALSHA) from threads. Once every part is answered, the first error (in ``parts``'
@@ -72,14 +68,13 @@ class ProducerCalls(ShardLayout):
         if self.cluster:  # the first part from this thread, the others from the pool's
             if self._senders is None:
                 self._senders = ThreadPoolExecutor(thread_name_prefix="batchery-enqueue")
-            sent = [self._senders.submit(outcome, q.enqueue, part, client_id, n, unsent_own_ids)
+            sent = [self._senders.submit(outcome, q.enqueue, part, client_id, n)
                     for q, part in parts[1:]]
             first, part = parts[0]
-            outcomes = [outcome(first.enqueue, part, client_id, n, unsent_own_ids),
-                        *(f.result() for f in sent)]
+            outcomes = [outcome(first.enqueue, part, client_id, n), *(f.result() for f in sent)]
         else:
             pipe = self.client.pipeline(transaction=False)
-            readers = [q.enqueue_in(pipe, part, client_id, n, unsent_own_ids) for q, part in parts]
+            readers = [q.enqueue_in(pipe, part, client_id, n) for q, part in parts]
             outcomes = [outcome(read, reply)
                         for read, reply in zip(readers, pipe.execute(raise_on_error=False))]
         for result in outcomes:

@@ -37,7 +37,7 @@ import redis
 
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
-from batchery.batching.request import Request
+from batchery.batching.request import DEFAULT_PRIORITY, Request, map_requests
 from batchery.embedded import find_redis_server
 from batchery.workers.options import WorkerOptions
 from bench import common, corpus
@@ -64,13 +64,13 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
     queue = RequestQueue(conn, "instructions")
 
     def requests(prefix: str, lo: int, hi: int, first: int) -> list[Request]:
+        """As Client.map builds them: ids the client made (no duplicate check to pass)."""
         values = [texts[first + i] if texts else i for i in range(lo, hi)]
-        return [Request(id=f"{prefix}{i}", input=v, **({"tokens": words(v)} if exact else {}))
-                for i, v in zip(range(lo, hi), values)]
-    # ids new to the queue, as Client.map's (which the client makes): no duplicate check
+        ids = (f"{prefix}{i}" for i in range(lo, hi))
+        return list(map_requests(values, DEFAULT_PRIORITY, None, ids.__next__,
+                                 words if exact else lambda value: None))
     for lo in range(0, backlog, enqueue_batch):
-        queue.enqueue(requests("b", lo, min(backlog, lo + enqueue_batch), n), "bench",
-                      unsent_own_ids=True)
+        queue.enqueue(requests("b", lo, min(backlog, lo + enqueue_batch), n), "bench")
     dump("")  # the backlog's enqueues are not counted
     ahead: list[Any] = []
     claims = 0
@@ -81,7 +81,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                            DEFAULTS.claim_lookahead, True, counts)
     for lo in range(0, n, enqueue_batch):
         size = min(enqueue_batch, n - lo)
-        queue.enqueue(requests("r", lo, lo + size, 0), "bench", unsent_own_ids=True)
+        queue.enqueue(requests("r", lo, lo + size, 0), "bench")
         dump("enqueue")
         got, held = 0, []
         while got < size or held:

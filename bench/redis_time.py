@@ -52,7 +52,7 @@ from batchery import Client
 from batchery.batching import scripts
 from batchery.batching.keys import Keys
 from batchery.batching.messages import Result
-from batchery.batching.request import Request
+from batchery.batching.request import DEFAULT_PRIORITY, map_requests
 from batchery.batching.queue import RequestQueue
 from batchery.producer.client import ENQUEUE_CHUNK
 from bench import common, corpus
@@ -156,7 +156,8 @@ def phases(url: str, n: int) -> dict[str, float]:
     conn = redis.Redis.from_url(url, decode_responses=True)
     pid, queue = common.redis_pid(url), RequestQueue(conn, "phases")
     conn.flushdb()  # a private server: each run starts empty
-    requests = [Request(id=f"r{i}", input=i) for i in range(n)]
+    ids = (f"r{i}" for i in range(n))  # as Client.map builds them: ids the client made
+    requests = list(map_requests(range(n), DEFAULT_PRIORITY, None, ids.__next__, lambda value: None))
     used: dict[str, float] = {}
 
     def timed(part: str, run: Any) -> Any:
@@ -191,8 +192,7 @@ def phases(url: str, n: int) -> dict[str, float]:
             queue.forget_results([Result.from_json(j).id for j in jsons])
             got += len(jsons)
 
-    timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench", unsent_own_ids=True)
-                              for lo in range(0, n, 500)])  # new ids, as Client.map's
+    timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench") for lo in range(0, n, 500)])
     claimed = timed("claim", claim_all)
     timed("complete", lambda: complete_all(claimed))
     timed("result delivery", deliver)

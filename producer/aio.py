@@ -15,7 +15,7 @@ from batchery.batching.keys import check_queue_name
 from batchery.batching.messages import Result
 from batchery.batching.pricing import TokenCounter
 from batchery.batching.request import (DEFAULT_PRIORITY, DEFAULT_TENANT, Request, RequestIds,
-                                      check_tenant, first_send, make_request, map_requests)
+                                      check_tenant, make_request, map_requests)
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
 from batchery.connection import RedisSettings
@@ -165,7 +165,7 @@ class AsyncClient:
             await self._coalescer.enqueue(batch)
 
     async def _send(self, batch: list[Request]) -> None:
-        await self.queue.enqueue(batch, self.client_id, first_send(batch))
+        await self.queue.enqueue(batch, self.client_id)
 
     async def submit(self, input: Any, timeout: float | None = None, **fields: Any) -> Result:
         """Enqueue one request and await its result."""

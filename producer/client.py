@@ -16,7 +16,7 @@ from batchery.batching.calls import Cancelled
 from batchery.batching.messages import CANCELLED, Result
 from batchery.batching.pricing import QueueCounter
 from batchery.batching.request import (DEFAULT_PRIORITY, DEFAULT_TENANT, Request, RequestIds,
-                                      check_tenant, first_send, make_request, map_requests)
+                                      check_tenant, make_request, map_requests)
 from batchery.batching.sharded import open_queue
 from batchery.batching.streams import StreamEvent, StreamReader
 from batchery.config import DEFAULT_QUEUE
@@ -198,10 +198,10 @@ class Client:
             if reply:
                 self._coalescer.enqueue(batch)
             else:
-                self.queue.enqueue(batch, "", first_send(batch))
+                self.queue.enqueue(batch, "")
 
     def _send(self, batch: list[Request]) -> None:
-        self.queue.enqueue(batch, self.client_id, first_send(batch))
+        self.queue.enqueue(batch, self.client_id)
 
     def request(self, fields: Mapping[str, Any]) -> Request:
         """A validated Request from a dict; an absent id is generated, tokens counted."""

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from batchery import Client, InvalidRequest, Result
-from batchery.batching.request import Request
+from batchery.batching.request import Request, map_requests
 from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.claim_call import claim_call
 from batchery.batching.queue import RequestQueue
@@ -315,10 +315,11 @@ def test_an_enqueue_sent_again_to_a_server_that_lost_its_scripts_is_answered_fro
     FLUSH): the retry's NOSCRIPT has the same call loaded and run under its own call key,
     which answers from its first run: accepted, queued and counted once. (The client's own
     new ids skip the duplicate check: that memory is what keeps them from a second run.)"""
-    made = [Request.validated(id=i, input=i) for i in ("a", "b", "c")]
+    ids = iter("abc")  # ids the client made: no duplicate check on their first send
+    made = list(map_requests("abc", "normal", None, ids.__next__, lambda value: None))
     queue.client.script_load(source("enqueue"))
     pipe = queue.client.pipeline(transaction=False)
-    read = queue.enqueue_in(pipe, made, "c1", 1, unsent_own_ids=True)
+    read = queue.enqueue_in(pipe, made, "c1", 1)
     assert pipe.execute(raise_on_error=False)[0][2] == "111"  # it ran; its reply is lost
     queue.client.script_flush()
     assert read(redis.exceptions.NoScriptError("NOSCRIPT No matching script")) == [True] * 3

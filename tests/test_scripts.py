@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from typing import Iterator
 
 import pytest
 import redis
@@ -432,6 +433,25 @@ def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(
                                                                          ("r3", None, False)]
 
 
+def claims_as_a_worker(q: RequestQueue, size: int, count: int, most: int) -> Iterator[tuple]:
+    """Claims as a counting worker makes them until nothing is pending (at most ``most``):
+    each one's pricing round (the candidates to price, counted ``count`` each, or []) and
+    its reply; the counts of what it handed ahead go with the next claim."""
+    ahead: list = []
+    for claims in range(1, most + 1):
+        token, priced = f"w#{claims}", []
+        reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                        counts=[(i, count) for i, _ in ahead])
+        if reply.to_price:
+            priced = reply.to_price
+            reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
+                            counts=[(i, count) for i, _ in priced])
+        ahead = reply.price_ahead
+        yield priced, reply
+        if reply.nothing_pending:
+            return
+
+
 INPUT = st.one_of(st.text(max_size=30), st.integers(-2**53, 2**53), st.none(),
                   st.lists(st.text(max_size=5), max_size=3),
                   st.dictionaries(st.sampled_from(["text", "prompt", "k"]), st.text(max_size=12),
@@ -455,23 +475,14 @@ def test_each_request_leased_priced_or_handed_ahead_comes_with_its_own_input(
     lost = {f"r{i}" for i in gone if i < len(inputs)}
     if lost:
         q.client.hdel(q.keys.requests, *lost)
-    leased, ahead = [], []
-    for claims in range(1, 3 * len(inputs) + 3):
-        token = f"w#{claims}"
-        reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
-                        counts=[(i, 2) for i, _ in ahead])
-        if reply.to_price:
-            assert all(v == (None if i in lost else sent[i]) for i, v in reply.to_price)
-            reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
-                            counts=[(i, 2) for i, _ in reply.to_price])
+    leased = []
+    for priced, reply in claims_as_a_worker(q, size, 2, 3 * len(inputs) + 2):
+        assert all(v == (None if i in lost else sent[i]) for i, v in priced)
         for r in reply.batch:
             assert (r.invalid is not None, r.input) == ((True, None) if r.id in lost
                                                         else (False, sent[r.id]))
         assert all(i not in lost and v == sent[i] for i, v in reply.price_ahead)
         leased += [r.id for r in reply.expired + reply.batch]
-        ahead = reply.price_ahead
-        if reply.nothing_pending:
-            break
     assert sorted(leased) == sorted(sent)
 
 
@@ -523,22 +534,13 @@ def test_any_valid_id_goes_through_enqueue_claim_commit_and_lookup(
     ids = [r.id for r in made]
     assert q.enqueue(made, "c1") == [True] * len(made)
     assert q.enqueue(made, "c1") == [False] * len(made)
-    leased, ahead = [], []
-    for claims in range(1, 2 * len(made) + 3):
-        token = f"w#{claims}"
-        reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
-                        counts=[(i, 1) for i, _ in ahead])
-        if reply.to_price:
-            reply = q.claim(token, size, 10_000, 0, 16, price_estimates=True,
-                            counts=[(i, 1) for i, _ in reply.to_price])
-        ahead = reply.price_ahead
+    leased = []
+    for _, reply in claims_as_a_worker(q, size, 1, 2 * len(made) + 2):
         assert all(r.invalid is None and r.input == ["in", r.id] for r in reply.batch)
         items = [(r.id, r.lease_token, Result(r.id, "ok", {"of": r.id}).to_json())
                  for r in reply.batch]
         assert q.complete(items, {"requests": len(items)}) == [True] * len(items)
         leased += [r.id for r in reply.batch]
-        if reply.nothing_pending:
-            break
     assert sorted(leased) == sorted(ids)
     assert [(r.id, r.output) for r in q.results(ids)] == [(i, {"of": i}) for i in ids]
     assert q.enqueue(made, "c1") == [False] * len(made)  # known by its result

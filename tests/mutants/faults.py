@@ -134,7 +134,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/test_hardening.py::test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused",)),
     Fault("an enqueue the server lost its scripts for is sent again under a new call key",
           "batching/queue.py", "                return self._enqueue(call, requests)",
-          "                return self.enqueue(requests, client_id, shards, unsent_own_ids)",
+          "                return self.enqueue(requests, client_id, shards)",
           ("tests/test_hardening.py::test_an_enqueue_sent_again_to_a_server_that_lost_its_scripts_is_answered_from_its_first_run",)),
     Fault("a forked child makes its parent's request ids", "batching/request.py",
           "        if self._fork != _FORKS[0]:", "        if self._fork == -1:",
