@@ -413,6 +413,10 @@ FAULTS: tuple[Fault, ...] = (
           "g.served + k * count_in(e[2])", "g.served + count_in(e[2])",
           ("tests/test_fair_share.py::test_backlogged_tenants_served_tokens_stay_within_the_bound",
            "tests/test_fair_share.py::test_the_sub_queues_follow_any_mix_of_tenants_and_paths")),
+    # -- the install ------------------------------------------------------------------------
+    Fault("a plain install leaves out a package", "setup.cfg",
+          "    batchery.workers\n    batchery.workers.generation\n", "    batchery.workers\n",
+          ("tests/test_packaging.py::test_a_plain_install_holds_every_file_of_the_source_folders",)),
     # -- the gateway's processes -----------------------------------------------------------
     Fault("serve's processes share one socket", "gateway/processes.py",
           'BALANCED = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")',
