@@ -220,3 +220,29 @@ def test_calibration_chooses_the_smallest_size_within_five_percent() -> None:
     assert smallest_within_tolerance({1: 100, 2: 190, 4: 300, 8: 310, 16: 312}) == 4
     assert smallest_within_tolerance({1: 100, 2: 94.9, 4: 80}) == 1
     assert smallest_within_tolerance({1: 50, 2: 96, 4: 100}) == 2  # within 5%: not the fastest
+
+
+def test_cudnn_attention_is_off_on_cuda_and_untouched_elsewhere() -> None:
+    """SDPA's cuDNN backend plans each new shape anew (11 ms of CPU a call, every decode
+    step a new shape): a runner on CUDA turns it off for the process, one elsewhere leaves
+    the setting as it was."""
+    from batchery.workers.runners.hf import settle_attention
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        settle_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        settle_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("task", ["embed", "classify", "generate"])
+def test_every_task_settles_attention_on_its_device(task: str, tiny_models,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchery.workers.runners import hf
+    settled: list[torch.device] = []
+    monkeypatch.setattr(hf, "settle_attention", settled.append)
+    load_runner(task, "minilm" if task == "embed" else str(tiny_models[task]), None, "cpu")
+    assert settled == [torch.device("cpu")]

@@ -413,6 +413,10 @@ FAULTS: tuple[Fault, ...] = (
           "g.served + k * count_in(e[2])", "g.served + count_in(e[2])",
           ("tests/test_fair_share.py::test_backlogged_tenants_served_tokens_stay_within_the_bound",
            "tests/test_fair_share.py::test_the_sub_queues_follow_any_mix_of_tenants_and_paths")),
+    # -- on a GPU -----------------------------------------------------------------------------
+    Fault("a runner on CUDA keeps cuDNN attention", "workers/runners/hf.py",
+          "        settle_attention(device)\n", "",
+          ("tests/test_runners.py::test_every_task_settles_attention_on_its_device",)),
     # -- the install ------------------------------------------------------------------------
     Fault("a plain install leaves out a package", "setup.cfg",
           "    batchery.workers\n    batchery.workers.generation\n", "    batchery.workers\n",
