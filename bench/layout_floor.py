@@ -23,7 +23,9 @@ measure: redis-server's CPU (/proc) per request with no profiler, today's script
 (``bench.redis_instructions``' drive) and the lean ones in turn on one server, the best of
 R rounds each, against ``bench.redis_time``'s unit timed on the same server.
 
-``python -m bench.layout_floor [-n N] [--repeat R]``
+``python -m bench.layout_floor [-n N] [--repeat R] [--backlog B]``: B requests standing in
+the queue (default 1,000; 40,000, as deep as ``bench.redis_time --producer-first`` goes,
+shows what a deep backlog adds to each layout: every hash and sorted set as deep).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None]) -> None:
     conn.close()
 
 
-def timed(n: int, repeat: int) -> dict[str, float]:
+def timed(n: int, repeat: int, backlog: int = BACKLOG) -> dict[str, float]:
     """redis-server CPU us per request of today's scripts and the lean ones in the same
     shapes (the best of ``repeat`` rounds, the two in turn), and of the unit."""
     layouts = {"today": redis_instructions.drive, "lean": drive}
@@ -146,7 +148,7 @@ def timed(n: int, repeat: int) -> dict[str, float]:
                 def mark(part: str) -> None:  # the first dump: the backlog is in
                     if not start:
                         start.append(common.cpu_seconds(pid))
-                run(url, n, BACKLOG, mark)
+                run(url, n, backlog, mark)
                 best[name] = min(best[name], 1e6 * (common.cpu_seconds(pid) - start[0]) / n)
         conn.close()
     return {**best, "zadd": unit}
@@ -155,20 +157,23 @@ def timed(n: int, repeat: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests counted (default 2,000)")
+    p.add_argument("--backlog", type=int, default=BACKLOG, help="requests standing in the queue "
+                   f"(default {BACKLOG:,})")
     args = p.parse_args(argv)
     repeat = args.repeat if args.repeat > 1 else 3  # --repeat defaults to 1
-    used = redis_instructions.count(drive, args.n, BACKLOG)
+    used = redis_instructions.count(drive, args.n, args.backlog)
     print(f"\nThe lean layout's floor, redis-server instructions per request ({args.n:,} requests, "
-          f"a standing backlog of {BACKLOG:,}; {common.machine()}):\n")
+          f"a standing backlog of {args.backlog:,}; {common.machine()}):\n")
     print(redis_instructions.parts_table(used))
-    times = timed(10 * args.n, repeat)
+    times = timed(10 * args.n, repeat, args.backlog)
     time_rows = [{"layout": name, "us": times[name], "zadds": times[name] / times["zadd"]}
                  for name in ("today", "lean")]
     print(f"\nredis-server CPU per request, the same shapes, no profiler ({10 * args.n:,} requests, "
-          f"the best of {repeat} rounds; one pipelined ZADD = {times['zadd']:.2f} us):\n")
+          f"a backlog of {args.backlog:,}, the best of {repeat} rounds; one pipelined ZADD = "
+          f"{times['zadd']:.2f} us):\n")
     print(common.table(time_rows, [("layout", "layout", ""), ("us", "us per request", ".2f"),
                                    ("zadds", "pipelined ZADDs per request", ".1f")]))
-    common.save("layout_floor", {"requests": args.n, **used, "time": times})
+    common.save("layout_floor", {"requests": args.n, "backlog": args.backlog, **used, "time": times})
     return used
 
 
