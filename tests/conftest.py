@@ -39,10 +39,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 FUZZ_SCALE = max(1, int(os.environ.get("BATCHERY_FUZZ_SCALE", "1") or 1))
 
 
-# Files whose module fixtures start the same heavy processes (model workers and a gateway)
-# run in one test process, one after the other: `--dist loadfile` (the Makefile) would
-# give them to two processes at once, and two such sets of processes starting together on
-# a loaded 2-core machine outran their start deadline.
+# Files that share session fixtures starting heavy processes (model workers and a gateway)
+# run in one test process, so the processes start once: `--dist loadfile` (the Makefile)
+# would give them to two processes, each starting its own set, and two sets starting on a
+# loaded 2-core machine outran their start deadline (so did one started after the other
+# with two busy loops beside the suite).
 SAME_PROCESS = {"tests/test_gateway_batches.py": "tests/test_gateway.py"}
 
 try:

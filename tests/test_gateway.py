@@ -29,19 +29,23 @@ from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+# The gateway, its workers and their queues are the session's, shared with
+# test_gateway_batches.py (which imports these fixtures, and runs in the same test process:
+# tests/conftest.py SAME_PROCESS): one set of model workers and gateway starts, not one a
+# file. No test stops them; the ones that restart or kill a gateway start their own.
+@pytest.fixture(scope="session")
 def queues() -> dict[str, str]:
     tag = uuid.uuid4().hex[:8]
     return {"embed": f"g-embed-{tag}", "generate": f"g-gen-{tag}", "idle": f"g-idle-{tag}",
             "jobs": f"g-jobs-{tag}"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_gpt2(tmp_path_factory.mktemp("gpt2"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gateway(redis_server: RedisServer, queues: dict[str, str], gpt2: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     logs = tmp_path_factory.mktemp("gateway-logs")
