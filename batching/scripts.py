@@ -139,24 +139,40 @@ class Scripts:
     fold: Any
 
 
+# A script call that finds the server's script cache empty loads the script and calls it
+# again (redis-py's Script). A server that restarts between that load and that call (the
+# connection's retry reaches the new one) answers NOSCRIPT again: the call, which did not
+# run, is made again from the start, up to this many times in all.
+NOSCRIPT_TRIES = 4
+
+
 def _same_errors(script: Any) -> Any:
-    """The script, raising OutOfMemoryError for a write refused for memory on every Redis:
-    before 7.0 a refusal inside a script is a plain ResponseError ("Error running script
-    ... -OOM command not allowed ...")."""
+    """The script, raising OutOfMemoryError for a write refused for memory on every Redis
+    (before 7.0 a refusal inside a script is a plain ResponseError: "Error running script
+    ... -OOM command not allowed ..."), and called again when the server lost it between
+    its load and its call (NOSCRIPT_TRIES)."""
     if inspect.iscoroutinefunction(script.__call__):
         async def call_async(keys: Any = None, args: Any = None) -> Any:
-            try:
-                return await script(keys, args)
-            except redis.ResponseError as exc:
-                raise refined(exc) from None
+            for tries_left in range(NOSCRIPT_TRIES - 1, -1, -1):
+                try:
+                    return await script(keys, args)
+                except redis.exceptions.NoScriptError:
+                    if not tries_left:
+                        raise
+                except redis.ResponseError as exc:
+                    raise refined(exc) from None
         call_async.sha = script.sha  # type: ignore[attr-defined]
         return call_async
 
     def call(keys: Any = None, args: Any = None) -> Any:
-        try:
-            return script(keys, args)
-        except redis.ResponseError as exc:
-            raise refined(exc) from None
+        for tries_left in range(NOSCRIPT_TRIES - 1, -1, -1):
+            try:
+                return script(keys, args)
+            except redis.exceptions.NoScriptError:
+                if not tries_left:
+                    raise
+            except redis.ResponseError as exc:
+                raise refined(exc) from None
     call.sha = script.sha  # type: ignore[attr-defined]
     return call
 

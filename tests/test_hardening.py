@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 from importlib import resources
 from typing import Iterator
 
 import pytest
 import redis
+import redis.asyncio
 
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request, map_requests
 from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.claim_call import claim_call
+from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.queue import RequestQueue
-from batchery.batching.scripts import FIXED_KEYS, NAMES, Scripts, helpers_for, source
+from batchery.batching.scripts import FIXED_KEYS, NAMES, NOSCRIPT_TRIES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
 from batchery.errors import ConfigError
@@ -326,6 +330,71 @@ def test_an_enqueue_sent_again_to_a_server_that_lost_its_scripts_is_answered_fro
     stats = queue.stats()
     assert stats["pending"] == stats["totals"]["enqueued"] == 3
     assert int(queue.client.hget(queue.keys.depth, "normal")) == 3
+
+
+def _losing_scripts_after_loads(client: object, lost: int) -> list[str]:
+    """Have ``client``'s server lose its scripts right after each of the first ``lost`` loads
+    (a restart between a script's load and its call): the loads so far."""
+    real, loads = client.script_load, []  # type: ignore[attr-defined]
+
+    def load_then_lose(script: str) -> object:
+        sha = real(script)
+        if inspect.isawaitable(sha):
+            async def later() -> object:
+                done = await sha
+                if len(loads) < lost:
+                    loads.append(done)
+                    await client.script_flush()  # type: ignore[attr-defined]
+                return done
+            return later()
+        if len(loads) < lost:
+            loads.append(sha)
+            client.script_flush()  # type: ignore[attr-defined]
+        return sha
+    client.script_load = load_then_lose  # type: ignore[attr-defined]
+    return loads
+
+
+@pytest.mark.parametrize("lost", [1, NOSCRIPT_TRIES - 1, NOSCRIPT_TRIES])
+def test_a_script_lost_again_between_its_load_and_its_call_is_loaded_and_called_again(
+        queue: RequestQueue, lost: int) -> None:
+    """A server that restarts between a script's load and its call answers NOSCRIPT to the
+    call that was to run it (a worker whose first heartbeat met a Redis restart so died
+    with a traceback): the call, which did not run, is made again from the start, and runs
+    once; a server that loses it at every try, NOSCRIPT_TRIES in all, gets NOSCRIPT."""
+    queue.client.script_flush()
+    loads = _losing_scripts_after_loads(queue.client, lost)
+    ids = iter("ab")
+    made = list(map_requests("ab", "normal", None, ids.__next__, lambda value: None))
+    if lost == NOSCRIPT_TRIES:
+        with pytest.raises(redis.exceptions.NoScriptError):
+            queue.enqueue(made, "c1")
+        assert queue.stats()["pending"] == 0
+        return
+    assert queue.enqueue(made, "c1") == [True, True]
+    assert len(loads) == lost
+    stats = queue.stats()
+    assert stats["pending"] == stats["totals"]["enqueued"] == 2
+
+
+def test_an_asyncio_script_lost_again_between_its_load_and_its_call_is_called_again(
+        redis_url: str, queue_name: str) -> None:
+    async def run() -> list[bool]:
+        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            queue = AsyncRequestQueue(client, queue_name)
+            await client.script_flush()
+            loads = _losing_scripts_after_loads(client, NOSCRIPT_TRIES - 1)
+            ids = iter("ab")
+            made = list(map_requests("ab", "normal", None, ids.__next__, lambda value: None))
+            done = await queue.enqueue(made, "c1")
+            assert len(loads) == NOSCRIPT_TRIES - 1
+            return done
+        finally:
+            await client.aclose()
+    assert asyncio.run(run()) == [True, True]
+    with Client(redis_url, queue_name) as client:
+        assert client.queue.stats()["pending"] == 2
 
 
 def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(

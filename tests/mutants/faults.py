@@ -413,6 +413,11 @@ FAULTS: tuple[Fault, ...] = (
           "g.served + k * count_in(e[2])", "g.served + count_in(e[2])",
           ("tests/test_fair_share.py::test_backlogged_tenants_served_tokens_stay_within_the_bound",
            "tests/test_fair_share.py::test_the_sub_queues_follow_any_mix_of_tenants_and_paths")),
+    # -- a restart between a script's load and its call ------------------------------------
+    Fault("a script lost again after its load is not called again", "batching/scripts.py",
+          "    def call(keys: Any = None, args: Any = None) -> Any:\n        for tries_left in range(NOSCRIPT_TRIES - 1, -1, -1):",
+          "    def call(keys: Any = None, args: Any = None) -> Any:\n        for tries_left in range(0, -1, -1):",
+          ("tests/test_hardening.py::test_a_script_lost_again_between_its_load_and_its_call_is_loaded_and_called_again",)),
     # -- on a GPU -----------------------------------------------------------------------------
     Fault("a runner on CUDA keeps cuDNN attention", "workers/runners/hf.py",
           "        settle_attention(device)\n", "",
