@@ -215,7 +215,8 @@ async def _awaited(request: Request, client: AsyncClient, handles: list[AsyncHan
         except ResultTimeout:  # past the deadline and its grace: no worker took them
             _cancel_later(client, [h.id for h in handles])
             raise
-    waiting.cancel()
+    waiting.cancel()  # it ends with the waits' CancelledError, read here, not logged as lost
+    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
     _cancel_later(client, [h.id for h in handles])
     raise ApiError(499, "the client closed the connection; its requests were cancelled",
                    code="client_closed_request")

@@ -242,11 +242,14 @@ class AsyncReplyListener:
             return
         self._stopping = True
         tasks = list(self._tasks.values())
+        readers = asyncio.gather(*tasks)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.gather(*tasks)), BLOCK_S * 4)
+            await asyncio.wait_for(asyncio.shield(readers), BLOCK_S * 4)
         except asyncio.TimeoutError:
             for task in tasks:
                 task.cancel()
+            # it ends with their CancelledError, read here, not logged as lost
+            readers.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _run(self, tag: str | None) -> None:
         backoff = Backoff()
