@@ -141,8 +141,10 @@ class Scripts:
 
 # A script call that finds the server's script cache empty loads the script and calls it
 # again (redis-py's Script). A server that restarts between that load and that call (the
-# connection's retry reaches the new one) answers NOSCRIPT again: the call, which did not
-# run, is made again from the start, up to this many times in all.
+# connection's retry reaches the new one) answers NOSCRIPT again: that send did not run,
+# and the call is made again from the start, up to this many times in all. (A send before
+# it may have run on the old server, its reply lost to the restart, as with redis-py's own
+# reload: each script answers a call sent again as a replay, docs/architecture.md.)
 NOSCRIPT_TRIES = 4
 
 

@@ -204,6 +204,9 @@ async def _awaited(request: Request, client: AsyncClient, handles: list[AsyncHan
                    timeout: float | None) -> list[Result]:
     """The handles' results; if the client disconnects first, their requests are cancelled."""
     waiting = asyncio.ensure_future(asyncio.gather(*(h.result(timeout) for h in handles)))
+    # however it ends (cancelled below, or left behind when this handler is cancelled), its
+    # ending is read: asyncio would log one nobody read as a lost exception, with a traceback
+    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -215,8 +218,7 @@ async def _awaited(request: Request, client: AsyncClient, handles: list[AsyncHan
         except ResultTimeout:  # past the deadline and its grace: no worker took them
             _cancel_later(client, [h.id for h in handles])
             raise
-    waiting.cancel()  # it ends with the waits' CancelledError, read here, not logged as lost
-    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
+    waiting.cancel()
     _cancel_later(client, [h.id for h in handles])
     raise ApiError(499, "the client closed the connection; its requests were cancelled",
                    code="client_closed_request")

@@ -243,13 +243,13 @@ class AsyncReplyListener:
         self._stopping = True
         tasks = list(self._tasks.values())
         readers = asyncio.gather(*tasks)
+        # however it ends (its readers cancelled below), its ending is read, not logged as lost
+        readers.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
             await asyncio.wait_for(asyncio.shield(readers), BLOCK_S * 4)
         except asyncio.TimeoutError:
             for task in tasks:
                 task.cancel()
-            # it ends with their CancelledError, read here, not logged as lost
-            readers.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _run(self, tag: str | None) -> None:
         backoff = Backoff()

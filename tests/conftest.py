@@ -45,6 +45,7 @@ FUZZ_SCALE = max(1, int(os.environ.get("BATCHERY_FUZZ_SCALE", "1") or 1))
 # loaded 2-core machine outran their start deadline (so did one started after the other
 # with two busy loops beside the suite).
 SAME_PROCESS = {"tests/test_gateway_batches.py": "tests/test_gateway.py"}
+pytest_plugins = ["tests.gateway_fixtures"]  # those fixtures, defined once
 
 try:
     from xdist.scheduler import LoadFileScheduling

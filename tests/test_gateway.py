@@ -12,9 +12,8 @@ import signal
 import struct
 import sys
 import threading
-import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import openai
@@ -22,57 +21,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from batchery import Client
-from tests.conftest import (ROOT, RedisServer, free_port, run_cli, start_worker,
-                            stop_process, wait_for)
-from tests.gateway_helpers import Served, jobs_worker, serve, tiny_gpt2
+from tests.conftest import ROOT, free_port, run_cli, wait_for
+from tests.gateway_helpers import serve
 
 pytestmark = pytest.mark.slow
 
 
-# The gateway, its workers and their queues are the session's, shared with
-# test_gateway_batches.py (which imports these fixtures, and runs in the same test process:
-# tests/conftest.py SAME_PROCESS): one set of model workers and gateway starts, not one a
-# file. No test stops them; the ones that restart or kill a gateway start their own.
-@pytest.fixture(scope="session")
-def queues() -> dict[str, str]:
-    tag = uuid.uuid4().hex[:8]
-    return {"embed": f"g-embed-{tag}", "generate": f"g-gen-{tag}", "idle": f"g-idle-{tag}",
-            "jobs": f"g-jobs-{tag}"}
-
-
-@pytest.fixture(scope="session")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_gpt2(tmp_path_factory.mktemp("gpt2"))
-
-
-@pytest.fixture(scope="session")
-def gateway(redis_server: RedisServer, queues: dict[str, str], gpt2: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    logs = tmp_path_factory.mktemp("gateway-logs")
-    url = redis_server.url
-    with Client(url, queues["idle"]) as idle:  # registered, with no worker: requests wait there
-        idle.queue.register()
-    embed = start_worker(url, queues["embed"], "--task", "embed", "--model", "minilm",
-                         "--max-wait-ms", "2", log=logs / "embed.log")
-    generate = start_worker(url, queues["generate"], "--task", "generate", "--model", str(gpt2),
-                            log=logs / "generate.log")
-    jobs = jobs_worker(url, queues["jobs"], logs / "jobs.log")
-    try:
-        with serve(url, logs, "--files-dir", str(logs / "files"), "--jobs-queue",
-                   queues["jobs"]) as served:
-            listed = lambda: {m.id: m for m in served.client().models.list()}  # noqa: E731
-            wait_for(lambda: all(getattr(listed().get(queues[t]), "task", None) == t
-                                 for t in ("embed", "generate")), 120, 0.5,
-                     message="both workers reporting to the gateway")
-            yield served
-    finally:
-        for proc in (embed, generate, jobs):
-            stop_process(proc)
-
-
-@pytest.fixture
-def sdk(gateway: Served) -> openai.OpenAI:
-    return gateway.client()
+# queues, gpt2, gateway and sdk: tests/gateway_fixtures.py (one set a session)
 
 
 def test_models_lists_the_queues_with_their_task_and_model(sdk, queues, gateway) -> None:
@@ -208,6 +163,7 @@ def test_a_deadline_passed_answers_504(sdk, queues) -> None:
 
 def test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels(gateway, queues,
                                                                      redis_server) -> None:
+    logged_before = len(gateway.log.read_text())  # the gateway is the session's (other tests')
     with Client(redis_server.url, queues["idle"]) as direct:
         for ask, expected in (({"service_tier": "flex"}, "batch"),
                               ({"service_tier": "priority"}, "realtime"),
@@ -223,7 +179,7 @@ def test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels(gateway, qu
             wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
                      message="the disconnected caller's request cancelled")
     # the waits a disconnect ends are read, not logged as an exception never retrieved
-    assert "Traceback" not in gateway.log.read_text()
+    assert "Traceback" not in gateway.log.read_text()[logged_before:]
 
 
 def test_a_stream_whose_client_goes_away_is_cancelled(gateway, queues, redis_server) -> None:

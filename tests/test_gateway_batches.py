@@ -1,6 +1,6 @@
 """The Batch API of `batchery serve` with the openai SDK: files, batches end to end (create,
 poll, download, cancel), the shape check, a gateway restart; and `batchery job submit`
-running OpenAI batch lines as they are. Shares test_gateway's server and workers."""
+running OpenAI batch lines as they are. Shares test_gateway's server and workers (tests/gateway_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import run_cli, wait_for
-from tests.gateway_helpers import Served, serve
-from tests.test_gateway import gateway, gpt2, queues, sdk  # noqa: F401  (shared fixtures)
+from tests.gateway_helpers import serve
 
 pytestmark = pytest.mark.slow
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from tests.test_ownership import PACKAGES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -77,16 +79,18 @@ def test_a_plain_install_holds_every_file_of_the_source_folders(tmp_path: Path) 
     templates) is in a non-editable install built from those folders and the metadata."""
     dirs = package_dirs()
     tops = sorted({folder.split("/")[0] for folder in dirs})
+    # every source folder of the package (tests/test_ownership.py's map) is in package_dir
+    assert set(PACKAGES) <= set(tops), f"setup.cfg's package_dir lacks {set(PACKAGES) - set(tops)}"
     files = source_files(tops)
     source = tmp_path / "source"
     for name in files + ["setup.cfg", "pyproject.toml", "README.md"]:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
     site = tmp_path / "site"
-    # no build isolation: setuptools is in the venv (the dev extra), and no index is needed
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--no-compile", "--target", str(site), str(source)],
-                   check=True, timeout=300)
+    # no build isolation: setuptools is in the venv (the dev extra); nothing from an index
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--disable-pip-version-check", "--no-build-isolation", "--no-compile",
+                    "--target", str(site), str(source)], check=True, timeout=300)
     wanted = {installed_path(name, dirs) for name in files}
     assert len(wanted) > 100, "setup.cfg's package_dir maps almost nothing"
     missing = sorted(p for p in wanted if not (site / p).is_file())

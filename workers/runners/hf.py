@@ -68,8 +68,10 @@ def settle_attention(device: torch.device) -> None:
     attention call, and a decode step's keys grow by a column every step, so every call is
     a new shape: on an H200 (torch 2.11) a 4-layer GPT-2's step of 256 rows took 78.9 ms
     with it and 3.1 ms without, a prefill of 256 prompts 125.7 ms and 31.1 ms (the flash
-    and memory-efficient kernels take any shape; docs/generation-engine.md). Encoder
-    batches vary in padded length the same way."""
+    and memory-efficient kernels take any shape; docs/generation-engine.md). The embed
+    and classify runners turn it off too: their batches vary in padded length, a new
+    shape each (not measured). The setting is the process's: code beside the runner in
+    one process (a library user's) runs without that backend too."""
     if device.type == "cuda" and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
