@@ -34,6 +34,7 @@ from batchery.producer.aio import AsyncClient, AsyncHandle
 from batchery.producer.openai_api import (CHAT, EMBEDDINGS, Call, chunk, embeddings_body,
                                           finish_reason, generation_body, generation_usage,
                                           parse_body, usage_chunk)
+from batchery.producer.replies import read_when_done
 
 PRIORITY_HEADER = "x-batchery-priority"
 DEADLINE_HEADER = "x-batchery-deadline"
@@ -203,10 +204,8 @@ async def _choice(i: int, handle: AsyncHandle, timeout: float | None
 async def _awaited(request: Request, client: AsyncClient, handles: list[AsyncHandle],
                    timeout: float | None) -> list[Result]:
     """The handles' results; if the client disconnects first, their requests are cancelled."""
-    waiting = asyncio.ensure_future(asyncio.gather(*(h.result(timeout) for h in handles)))
-    # however it ends (cancelled below, or left behind when this handler is cancelled), its
-    # ending is read: asyncio would log one nobody read as a lost exception, with a traceback
-    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
+    # (cancelled below, or left behind when this handler is cancelled)
+    waiting = read_when_done(asyncio.gather(*(h.result(timeout) for h in handles)))
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)

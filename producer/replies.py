@@ -21,7 +21,7 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import redis
 
@@ -37,6 +37,14 @@ DRAIN = 1000       # results popped per round trip once one arrived
 # what a read may raise and its reader outlives: Redis' errors, and redis-py's refusals of
 # a Cluster command (not a RedisError)
 READ_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+def read_when_done(future: "asyncio.Future[Any]") -> "asyncio.Future[Any]":
+    """``future``, its ending read whenever it comes: asyncio logs an exception nobody read
+    as lost, with a traceback, and a cancelled gather ends with its children's
+    CancelledError as its exception."""
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
 
 
 class ReplyListener:
@@ -242,9 +250,7 @@ class AsyncReplyListener:
             return
         self._stopping = True
         tasks = list(self._tasks.values())
-        readers = asyncio.gather(*tasks)
-        # however it ends (its readers cancelled below), its ending is read, not logged as lost
-        readers.add_done_callback(lambda done: done.cancelled() or done.exception())
+        readers = read_when_done(asyncio.gather(*tasks))  # (its readers may be cancelled below)
         try:
             await asyncio.wait_for(asyncio.shield(readers), BLOCK_S * 4)
         except asyncio.TimeoutError:

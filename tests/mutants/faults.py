@@ -428,7 +428,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/test_packaging.py::test_a_plain_install_holds_every_file_of_the_source_folders",)),
     # -- the gateway's processes -----------------------------------------------------------
     Fault("a disconnect's cancelled waits are logged as lost exceptions", "gateway/online.py",
-          "    waiting.add_done_callback(lambda done: done.cancelled() or done.exception())\n", "",
+          "    waiting = read_when_done(asyncio.gather(", "    waiting = asyncio.ensure_future(asyncio.gather(",
           ("tests/test_gateway.py::test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels",)),
     Fault("serve's processes share one socket", "gateway/processes.py",
           'BALANCED = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")',
