@@ -5,6 +5,7 @@ a value a script reads costs Redis about three times a plain read's)."""
 from __future__ import annotations
 
 import numbers
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -46,20 +47,39 @@ def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
                  "" if ceiling is None else int(ceiling), *joined_counts(counts)])
 
 
-def joined_counts(counts: Sequence[tuple[str, Any]]) -> list[str]:
-    """A worker's counts as the claim takes them: the ids joined by newlines, the counts by
-    commas. A count that is not a positive integer goes as '' (the claim ignores it), never
-    as text that could shift the counts after it; an id holding a newline (not one a
-    producer validates) is left out: its request is priced again."""
-    sent = [(i, c) for i, c in counts if "\n" not in i]
-    return ["\n".join(i for i, _ in sent), ",".join(count_text(c) for _, c in sent)]
+def joined_counts(counts: Sequence[tuple[str, Any]]) -> list[bytes]:
+    """A worker's counts as the claim takes them: two MessagePack arrays, the ids and their
+    counts in the same order, which the claim unpacks with one call each (cmsgpack: a
+    pattern splitting a joined text ran per character, about 4k instructions a request).
+    A count that is not a positive integer goes as 0 (the claim ignores it)."""
+    return [packed_array([i for i, _ in counts]), packed_array([count_of(c) for _, c in counts])]
 
 
-def count_text(count: Any) -> str:
-    """A positive integer's digits (numpy's integers too); '' for anything else."""
-    if isinstance(count, numbers.Integral) and not isinstance(count, bool) and count > 0:
-        return str(int(count))
-    return ""
+def count_of(count: Any) -> int:
+    """A count the claim takes (a positive integer of at most 8 digits, numpy's integers
+    too) as itself; 0 for anything else."""
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool) and 0 < count < 10**8:
+        return int(count)
+    return 0
+
+
+def packed_array(items: Sequence[str | int]) -> bytes:
+    """``items`` (texts and integers from 0 to 2**32 - 1) as one MessagePack array
+    (msgpack.org's format: a length, then each item with its type and length)."""
+    n = len(items)
+    out = [bytes([0x90 | n]) if n < 16 else struct.pack(">BH", 0xDC, n) if n < 1 << 16
+           else struct.pack(">BI", 0xDD, n)]
+    for item in items:
+        if isinstance(item, int):
+            out.append(bytes([item]) if item < 0x80 else struct.pack(">BI", 0xCE, item))
+            continue
+        b = item.encode()
+        size = len(b)
+        out.append(bytes([0xA0 | size]) if size < 32 else struct.pack(">BB", 0xD9, size)
+                   if size < 1 << 8 else struct.pack(">BH", 0xDA, size) if size < 1 << 16
+                   else struct.pack(">BI", 0xDB, size))
+        out.append(b)
+    return b"".join(out)
 
 
 def claim_payload_ids(reply: list[Any]) -> list[str]:

@@ -64,9 +64,11 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
     queue = RequestQueue(conn, "instructions")
 
     def requests(prefix: str, lo: int, hi: int, first: int) -> list[Request]:
-        """As Client.map builds them: ids the client made (no duplicate check to pass)."""
+        """As Client.map builds them: ids the client made (no duplicate check to pass), of
+        RequestIds' length (16 hex digits, a dash, a counter: a script's cost of an id
+        grows with its length)."""
         values = [texts[first + i] if texts else i for i in range(lo, hi)]
-        ids = (f"{prefix}{i}" for i in range(lo, hi))
+        ids = (f"{prefix}0123456789abcdef-{i}" for i in range(lo, hi))
         return list(map_requests(values, DEFAULT_PRIORITY, None, ids.__next__,
                                  words if exact else lambda value: None))
     for lo in range(0, backlog, enqueue_batch):

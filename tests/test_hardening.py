@@ -15,7 +15,7 @@ import redis.asyncio
 from batchery import Client, InvalidRequest, Result
 from batchery.batching.request import Request, map_requests
 from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
-from batchery.batching.claim_call import claim_call
+from batchery.batching.claim_call import claim_call, packed_array
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.queue import RequestQueue
 from batchery.batching.scripts import FIXED_KEYS, NAMES, NOSCRIPT_TRIES, Scripts, helpers_for, source
@@ -397,16 +397,20 @@ def test_an_asyncio_script_lost_again_between_its_load_and_its_call_is_called_ag
         assert client.queue.stats()["pending"] == 2
 
 
+@pytest.mark.parametrize("counts", [packed_array([1]), packed_array([1, 1, 1]), b"1", b"",
+                                    b"\xc1", packed_array([1, 1])[:-1]],
+                         ids=["fewer", "more", "not an array", "empty", "not MessagePack",
+                              "cut short"])
 def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(
-        queue: RequestQueue) -> None:
-    """The claim takes a worker's counts as two texts, the ids and their counts: a call whose
-    texts differ in number (a caller's bug) is refused with what is wrong, before anything
-    is written, and leases nothing."""
+        queue: RequestQueue, counts: bytes) -> None:
+    """The claim takes a worker's counts as two MessagePack arrays, the ids and their counts:
+    a call whose arrays differ in length, or that are not arrays (a caller's bug), is refused
+    with what is wrong, before anything is written, and leases nothing."""
     queue.enqueue([Request(id=i, input=i) for i in ("a", "b")])
     call = claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, True, [("a", 1), ("b", 1)], None)
-    call.args[-1] = "1"
+    call.args[-1] = counts
     before = queue.client.dump(queue.keys.pending)
-    with pytest.raises(redis.ResponseError, match="claim needs one count for each id counted"):
+    with pytest.raises(redis.ResponseError, match="claim needs the ids counted and one count"):
         queue._run("claim", call)
     assert queue.client.dump(queue.keys.pending) == before
     assert not queue.client.exists(queue.keys.lease_ids)

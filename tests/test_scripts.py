@@ -9,13 +9,13 @@ from typing import Iterator
 
 import pytest
 import redis
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
 from batchery.batching.calls import Cancelled, Failed, Reaped
-from batchery.batching.claim_call import claim_call, claim_payload_ids, parse_claim
+from batchery.batching.claim_call import claim_call, claim_payload_ids, packed_array, parse_claim
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
@@ -590,7 +590,13 @@ def test_priced_ahead_leaves_out_what_the_worker_just_counted_and_follows_exact_
     assert third.to_price == [("r4", "e")] and third.batch == []
 
 
-COUNT = st.one_of(st.integers(1, 60), st.sampled_from([0, -3, None, "5:0", "7,1", "x\ny"]))
+COUNT = st.one_of(st.integers(1, 60), st.sampled_from([0, -3, None, "5:0", "7,1", "x\ny", 2.0,
+                                                      99_999_999, 10**8, 2**40]))
+
+
+def a_count(value: object) -> bool:
+    """What the claim takes as a count: a positive integer of at most 8 digits."""
+    return type(value) is int and 0 < value < 10**8
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -616,7 +622,7 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
     counts = [(i, data.draw(COUNT)) for i in line[:counted]]
     # the same counts in any order, always matched by id: with a count for an id that is not
     # pending, and an id's count again (its first one stands)
-    again = 99 if type(counts[0][1]) is int and counts[0][1] > 0 else None
+    again = 99 if a_count(counts[0][1]) else None
     shuffled = [*data.draw(st.permutations(counts)), ("ghost", 5), (counts[0][0], again)]
     outcomes = []
     for q, sent in zip(queues, [counts, shuffled]):
@@ -626,7 +632,7 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
                          reply.price_ahead, {i: e.split(":")[0] for i, e in entries.items()}))
     assert outcomes[0] == outcomes[1]
     leased, to_price, _, tokens = outcomes[0]
-    given_counts = {i: c for i, c in reversed(counts) if type(c) is int and c > 0}
+    given_counts = {i: c for i, c in reversed(counts) if a_count(c)}
     for request_id, count in leased:  # leased on its count, where it had one
         assert count == given_counts.get(request_id, count)
     for request_id, text in tokens.items():  # left queued: exact where counted, else estimated
@@ -634,6 +640,31 @@ def test_counts_sent_in_line_or_in_another_order_claim_alike(
             assert text == str(given_counts[request_id]) if request_id in given_counts \
                 else text.startswith("~")
     assert not to_price or not leased
+
+
+# Redis' own MessagePack reading what packed_array wrote: each item as its type and value
+UNPACK = """local t = cmsgpack.unpack(ARGV[1])
+local out = {}
+for i = 1, #t do
+  out[i] = type(t[i]) == 'number' and {'n', tostring(t[i])} or {type(t[i]), t[i]}
+end
+return {#t, out}"""
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.one_of(st.text(max_size=300), st.integers(0, 99_999_999)), max_size=40))
+@example(items=["x" * 31, "y" * 32, "z" * 255, "w" * 256, "v" * 65_535, "u" * 65_536, 127, 128,
+                99_999_999, "", "é" * 20])
+@example(items=[str(i) for i in range(70_000)])  # an array past 16 and 65,535 items
+def test_packed_arrays_unpack_in_redis_as_they_were_packed(queue: RequestQueue,
+                                                          items: list[str | int]) -> None:
+    """A worker's counts go to the claim as two MessagePack arrays (ids and counts), which
+    the claim reads with Redis' own cmsgpack: every text (any length, any characters) and
+    every count comes back as it was, in its place."""
+    n, out = queue.client.eval(UNPACK, 0, packed_array(items))
+    assert n == len(items)
+    assert [("n", str(i)) if type(i) is int else ("string", i) for i in items] == \
+        [tuple(pair) for pair in out]
 
 
 def test_counts_sent_in_line_are_written_back_for_the_candidates_left_queued(
@@ -648,6 +679,18 @@ def test_counts_sent_in_line_are_written_back_for_the_candidates_left_queued(
     assert queue.client.hget(queue.keys.sched, line[2]).split(":")[0] == "50"
     second = queue.claim("w#2", 3, 100, 0, 16, price_estimates=True)
     assert [(r.id, r.tokens) for r in second.batch] == [(line[2], 50)] and not second.to_price
+
+
+def test_a_count_of_eight_digits_is_taken_and_one_of_nine_is_not(queue: RequestQueue) -> None:
+    """The bounds of a count: 99,999,999 is one (written back exact for a request left
+    queued), 100,000,000 is not (its request stays estimated, priced again)."""
+    queue.enqueue([Request.validated(id=f"r{i}", input="w") for i in range(3)])
+    line = queue.client.zrange(queue.keys.pending, 0, -1)
+    counts = list(zip(line, [5, 99_999_999, 10**8]))
+    reply = queue.claim("w#1", 1, 10, 0, 16, price_estimates=True, counts=counts)
+    assert [(r.id, r.tokens) for r in reply.batch] == [(line[0], 5)]
+    tokens = [queue.client.hget(queue.keys.sched, i).split(":")[0] for i in line[1:]]
+    assert tokens[0] == "99999999" and tokens[1].startswith("~")
 
 
 def test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first(

@@ -23,15 +23,17 @@
 --         claimer passes the next shard's head rank + SHARD_SLACK_MS (batching/sharded.py)
 --         so no shard's head is overtaken by much later requests of another (save by
 --         the fair claim's tenants of the head's class: fair_reader).
--- ARGV[9] ids, joined by newlines, and ARGV[10] their exact tokens, joined by commas, in
---         the same order ('' for one not counted): this worker's counts of the candidates
---         an earlier claim handed it to price. The claim chooses on them, and writes to sched those of the ones it
---         does not take, still marked estimated (the ones it leases are counted again by
---         their worker, and again if they come back for a retry). Two values, not two per
---         request: a value handed to a script costs Redis more than a command's argument
---         (each is made a Lua string, and collected), and ids that are the candidates'
---         own, in line (a worker's next batch, as a claim handed it ahead), are matched to
---         them by one comparison, not looked up one by one (below).
+-- ARGV[9] ids and ARGV[10] their exact tokens (0 for one not counted), in the same order,
+--         each one MessagePack array (batching/claim_call.py packed_array): this worker's
+--         counts of the candidates an earlier claim handed it to price. The claim chooses
+--         on them, and writes to sched those of the ones it does not take, still marked
+--         estimated (the ones it leases are counted again by their worker, and again if
+--         they come back for a retry). Two values, not two per request: a value handed to
+--         a script costs Redis more than a command's argument (each is made a Lua string,
+--         and collected), and an array unpacked in one call (cmsgpack) less than a text
+--         split by a pattern, which runs per character; ids that are the candidates' own,
+--         in line (a worker's next batch, as a claim handed it ahead), are matched to them
+--         by place, not looked up one by one (below).
 -- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {scheds}, {attempts}, {ahead_ids}}
 --   when it leased something, each list an array of the reply ({attempts} empty when no
 --   request has failed). The requests' payloads are not in it: the caller reads them
@@ -66,23 +68,31 @@ local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
 local ceiling = ARGV[8] ~= '' and ARGV[8] or nil
--- The counts sent: count_at[n] the n-th one's text, false when it is not a count
--- (checked once per distinct text, by parse_sched's rule); counted_text the ids.
-local counted_text, count_at, n_counts = ARGV[9] or '', {}, 0
+-- The counts sent: sent_ids the ids, count_at[n] the n-th one's count as text, false when
+-- it is not a count (checked once per distinct value, by parse_sched's rule: a positive
+-- integer of at most 8 digits). Unpacked before anything is written: what is not two
+-- arrays of one length is refused.
+local sent_ids, count_at, n_counts = {}, {}, 0
 do
-  local count_ok = {}
-  for tokens in string.gmatch(counted_text ~= '' and (ARGV[10] or '') .. ',' or '', '([^,]*),') do
-    local ok = count_ok[tokens]
-    if ok == nil then
-      ok = #tokens <= 8 and string.match(tokens, '^[1-9]%d*$') ~= nil
-      count_ok[tokens] = ok
-    end
-    n_counts = n_counts + 1
-    count_at[n_counts] = ok and tokens
+  local ids_ok, counts_ok, counts
+  ids_ok, sent_ids = pcall(cmsgpack.unpack, ARGV[9] or '')
+  counts_ok, counts = pcall(cmsgpack.unpack, ARGV[10] or '')
+  if not (ids_ok and counts_ok) or type(sent_ids) ~= 'table' or type(counts) ~= 'table'
+     or #sent_ids ~= #counts then
+    error('batchery: claim needs the ids counted and one count each, as two MessagePack arrays')
   end
-  -- as many ids as counts, checked before anything is written (no id holds a newline)
-  if counted_text ~= '' and select(2, string.gsub(counted_text, '\n', '')) + 1 ~= n_counts then
-    error('batchery: claim needs one count for each id counted')
+  n_counts = #sent_ids
+  local text_of = {}
+  for n = 1, n_counts do
+    local c = counts[n]
+    local key = c == c and c or 0  -- (a table key: not nil, not NaN)
+    local text = text_of[key]
+    if text == nil then
+      text = type(c) == 'number' and c >= 1 and c <= 99999999 and c % 1 == 0 and fmt_int(c)
+             or false
+      text_of[key] = text
+    end
+    count_at[n] = text
   end
 end
 -- counted: id -> its count, counted_ids: those ids in order (an id's first count). Built
@@ -98,12 +108,12 @@ local function counted_by_id(ids)
     end
     return
   end
-  for id in string.gmatch(counted_text .. '\n', '([^\n]*)\n') do
-    n = n + 1
-    local tokens = count_at[n]
-    if tokens and not counted[id] then  -- first count of an id
+  for i = 1, n_counts do
+    local id, tokens = sent_ids[i], count_at[i]
+    if tokens and type(id) == 'string' and not counted[id] then  -- first count of an id
       counted[id] = tokens
-      counted_ids[#counted_ids + 1] = id
+      n = n + 1
+      counted_ids[n] = id
     end
   end
 end
@@ -524,7 +534,9 @@ end
 local scheds = planned_scheds or rcall('HMGET', K.sched, unpack(ids))
 -- the counts sent are the first candidates', in line, or are matched by id
 in_line = n_counts > 0 and #ids >= n_counts
-          and counted_text == table.concat(ids, '\n', 1, n_counts)
+for i = 1, in_line and n_counts or 0 do
+  if ids[i] ~= sent_ids[i] then in_line = false; break end
+end
 if n_counts > 0 and not in_line then counted_by_id() end
 
 -- Choosing reads only each candidate's length, deadline and class delay (rank minus
