@@ -77,6 +77,7 @@ class RedisTime:
     def __init__(self, url: str, queue: str, enabled: bool = True) -> None:
         self.enabled = enabled
         self.conn = redis.Redis.from_url(url, decode_responses=True)
+        self.url = url
         self.pid = common.redis_pid(url)
         self.reply_prefix = Keys(queue).reply_prefix
         self.result_prefix = Keys(queue).result_prefix
@@ -101,7 +102,9 @@ class RedisTime:
             return
         self.cpu = common.cpu_seconds(self.pid) - self.cpu
         self.commandstats = self.conn.info("commandstats")
-        self.entries = self.conn.execute_command("SLOWLOG", "GET", SLOWLOG_MAX)
+        # read as bytes: a claim's counts are binary (MessagePack), decoded by report()
+        with redis.Redis.from_url(self.url) as raw:
+            self.entries = raw.execute_command("SLOWLOG", "GET", SLOWLOG_MAX)
         for name, value in self.saved.items():
             self.conn.config_set(name, value)
         self.conn.slowlog_reset()
