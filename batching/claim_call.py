@@ -13,6 +13,7 @@ from batchery.batching.calls import Call, fixed_keys
 from batchery.batching.keys import Keys
 from batchery.batching.messages import Claimed, stored_input
 from batchery.batching.settings import DEFAULTS
+from batchery.connection import ENCODING_ERRORS
 
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
 NOTHING_PENDING = -1          # a claim's wait_ms when the queue holds nothing it could lease
@@ -65,7 +66,9 @@ def count_of(count: Any) -> int:
 
 def packed_array(items: Sequence[str | int]) -> bytes:
     """``items`` (texts and integers from 0 to 2**32 - 1) as one MessagePack array
-    (msgpack.org's format: a length, then each item with its type and length)."""
+    (msgpack.org's format: a length, then each item with its type and length). A text
+    holding bytes that are not UTF-8 (read from Redis as lone surrogates) goes as those
+    bytes."""
     n = len(items)
     out = [bytes([0x90 | n]) if n < 16 else struct.pack(">BH", 0xDC, n) if n < 1 << 16
            else struct.pack(">BI", 0xDD, n)]
@@ -73,7 +76,7 @@ def packed_array(items: Sequence[str | int]) -> bytes:
         if isinstance(item, int):
             out.append(bytes([item]) if item < 0x80 else struct.pack(">BI", 0xCE, item))
             continue
-        b = item.encode()
+        b = item.encode("utf-8", ENCODING_ERRORS)  # an id read from Redis as it was there
         size = len(b)
         out.append(bytes([0xA0 | size]) if size < 32 else struct.pack(">BB", 0xD9, size)
                    if size < 1 << 8 else struct.pack(">BH", 0xDA, size) if size < 1 << 16

@@ -397,18 +397,19 @@ def test_an_asyncio_script_lost_again_between_its_load_and_its_call_is_called_ag
         assert client.queue.stats()["pending"] == 2
 
 
-@pytest.mark.parametrize("counts", [packed_array([1]), packed_array([1, 1, 1]), b"1", b"",
-                                    b"\xc1", packed_array([1, 1])[:-1]],
-                         ids=["fewer", "more", "not an array", "empty", "not MessagePack",
-                              "cut short"])
+@pytest.mark.parametrize("arg, value", [
+    (-1, packed_array([1])), (-1, packed_array([1, 1, 1])), (-1, b"1"), (-1, b""), (-1, b"\xc1"),
+    (-1, packed_array([1, 1])[:-1]), (-2, b"\xa2ab"), (-2, b""), (-2, b"\x92\xa1a")],
+    ids=["fewer counts", "more counts", "counts not an array", "no counts",
+         "counts not MessagePack", "counts cut short", "ids a text", "no ids", "ids cut short"])
 def test_a_claim_whose_counts_and_ids_differ_in_number_is_refused_before_it_writes(
-        queue: RequestQueue, counts: bytes) -> None:
+        queue: RequestQueue, arg: int, value: bytes) -> None:
     """The claim takes a worker's counts as two MessagePack arrays, the ids and their counts:
     a call whose arrays differ in length, or that are not arrays (a caller's bug), is refused
     with what is wrong, before anything is written, and leases nothing."""
     queue.enqueue([Request(id=i, input=i) for i in ("a", "b")])
     call = claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, True, [("a", 1), ("b", 1)], None)
-    call.args[-1] = counts
+    call.args[arg] = value
     before = queue.client.dump(queue.keys.pending)
     with pytest.raises(redis.ResponseError, match="claim needs the ids counted and one count"):
         queue._run("claim", call)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import struct
 import time
 from typing import Iterator
 
@@ -655,12 +656,17 @@ return {#t, out}"""
 @given(items=st.lists(st.one_of(st.text(max_size=300), st.integers(0, 99_999_999)), max_size=40))
 @example(items=["x" * 31, "y" * 32, "z" * 255, "w" * 256, "v" * 65_535, "u" * 65_536, 127, 128,
                 99_999_999, "", "é" * 20])
-@example(items=[str(i) for i in range(70_000)])  # an array past 16 and 65,535 items
+@example(items=list(range(15)))  # arrays at each of their header's bounds
+@example(items=list(range(16)))
+@example(items=[1] * 65_535)
+@example(items=[1] * 65_536)
+@example(items=["doc-\udcff", "\udc80\udcfe"])  # bytes that are not UTF-8, read from Redis
 def test_packed_arrays_unpack_in_redis_as_they_were_packed(queue: RequestQueue,
                                                           items: list[str | int]) -> None:
     """A worker's counts go to the claim as two MessagePack arrays (ids and counts), which
-    the claim reads with Redis' own cmsgpack: every text (any length, any characters) and
-    every count comes back as it was, in its place."""
+    the claim reads with Redis' own cmsgpack: every text (any length, any characters, bytes
+    that are not UTF-8 as the client reads them) and every count comes back as it was, in
+    its place."""
     n, out = queue.client.eval(UNPACK, 0, packed_array(items))
     assert n == len(items)
     assert [("n", str(i)) if type(i) is int else ("string", i) for i in items] == \
@@ -679,6 +685,46 @@ def test_counts_sent_in_line_are_written_back_for_the_candidates_left_queued(
     assert queue.client.hget(queue.keys.sched, line[2]).split(":")[0] == "50"
     second = queue.claim("w#2", 3, 100, 0, 16, price_estimates=True)
     assert [(r.id, r.tokens) for r in second.batch] == [(line[2], 50)] and not second.to_price
+
+
+@pytest.mark.parametrize("sent, leased, to_price, written", [
+    # in line: each count its candidate's by place
+    ([("a", 5), ("b", 6), ("c", 8)], [("a", 5)], [], {"b": "6", "c": "8"}),
+    # another order: by id
+    ([("b", 6), ("a", 5), ("c", 8)], [("a", 5)], [], {"b": "6", "c": "8"}),
+    # the first ones in line, the last not: all by id, none by place
+    ([("a", 5), ("b", 6), ("ghost", 7)], [], ["c"], {"a": "5", "b": "6", "c": "~"}),
+    # the last ones in line, the first not: by id; the head is priced
+    ([("ghost", 7), ("b", 6), ("c", 8)], [], ["a"], {"b": "6", "c": "8"}),
+], ids=["in line", "another order", "last one off", "first one off"])
+def test_counts_are_matched_by_place_only_when_every_id_is_in_line(
+        queue: RequestQueue, sent: list[tuple[str, int]], leased: list[tuple[str, int]],
+        to_price: list[str], written: dict[str, str]) -> None:
+    """Counts go by place only when the ids sent are the first candidates, each in its
+    place; one id off, first or last, and every count goes by its id (a count never lands
+    on a request it was not made for)."""
+    queue.enqueue([Request.validated(id=i, input="w") for i in "abc"])
+    # three candidates read (a batch of 3), a budget that takes the head alone
+    reply = queue.claim("w#1", 3, 5, 0, 16, price_estimates=True, counts=sent)
+    assert [(r.id, r.tokens) for r in reply.batch] == leased
+    assert [i for i, _ in reply.to_price] == to_price
+    for request_id, tokens in written.items():
+        assert queue.client.hget(queue.keys.sched, request_id).split(":")[0].startswith(tokens)
+
+
+def test_the_claim_takes_a_count_of_at_most_eight_digits_and_whole(queue: RequestQueue) -> None:
+    """The claim's own check of what it is sent (the worker sends only counts): 9 digits
+    and a fraction are not counts; their requests stay estimated."""
+    queue.enqueue([Request.validated(id=i, input="w") for i in "abcd"])
+    call = claim_call(queue.keys, "w#1", 1, 10_000, 0, 16, True,
+                      [(i, 1) for i in "abcd"], None)
+    whole_float = b"\xcb" + struct.pack(">d", 3.0)  # a count as a float: taken as 3
+    call.args[-1] = (b"\x94\x05" + struct.pack(">BI", 0xCE, 10**8)
+                     + b"\xcb" + struct.pack(">d", 2.5) + whole_float)
+    reply = queue._run("claim", call)
+    assert reply[4] == ["a"] and reply[5][0].startswith("5:")  # leased on its count
+    tokens = {i: queue.client.hget(queue.keys.sched, i).split(":")[0] for i in "bcd"}
+    assert tokens["b"].startswith("~") and tokens["c"].startswith("~") and tokens["d"] == "3"
 
 
 def test_a_count_of_eight_digits_is_taken_and_one_of_nine_is_not(queue: RequestQueue) -> None:
