@@ -18,6 +18,7 @@ stop a sequence whose lease was lost, or count steps. The scheduling is the prod
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,11 +80,23 @@ class Prefill:
     padded: int = 0          # and positions (real and padding)
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.x
+    on (where ``past_key_values`` is deprecated, to go in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_out(out: Any) -> Any:
+    """The KV cache a forward pass returned, under either name (cache_keyword)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 class DecodeBatch:
     """The sequences in flight and their shared cache; one forward pass per step."""
 
     def __init__(self, model: Any, device: torch.device, pad_id: int, prefix_tokens: int = 0) -> None:
         self.model, self.device, self.pad_id = model, device, pad_id
+        self._cache_kw = cache_keyword(model)
         # prompt prefixes' KV kept for reuse, up to ``prefix_tokens`` tokens (0: none)
         self.prefixes = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
         self.rows: list[Sequence] = []
@@ -155,12 +168,12 @@ class DecodeBatch:
             positions = (p.mask[:stage, :end].cumsum(dim=-1) - 1).clamp(min=0)[:, p.done:end]
             started = time.perf_counter()
             out = self.model(input_ids=p.ids[:stage, p.done:end], attention_mask=p.mask[:stage, :end],
-                             position_ids=positions, past_key_values=p.cache, use_cache=True,
-                             logits_to_keep=1)
+                             position_ids=positions, use_cache=True, logits_to_keep=1,
+                             **{self._cache_kw: p.cache})
             self.seconds["model"] += time.perf_counter() - started
             p.fed += int(p.mask[:stage, p.done:end].sum())
             p.padded, left = p.padded + stage * (end - p.done), left - stage * (end - p.done)
-            p.cache, p.done, p.chunks = out.past_key_values, end, p.chunks + 1
+            p.cache, p.done, p.chunks = cache_out(out), end, p.chunks + 1
             if p.single and end >= p.shared:
                 self._widen(p)
             if end >= width:
@@ -228,7 +241,7 @@ class DecodeBatch:
             out = self.model(input_ids=self._last[a:b, None],
                              attention_mask=self.slab.window(a, b, extra=1),
                              position_ids=self._pos[a:b, None],
-                             past_key_values=self.slab.use(a, b), use_cache=True)
+                             use_cache=True, **{self._cache_kw: self.slab.use(a, b)})
             self.seconds["model"] += time.perf_counter() - started
             rows = self._params if (a, b) == (0, len(self.rows)) else self._rows_of(self.rows[a:b])
             return self._choose(out.logits[:, -1, :], self.rows[a:b], rows)
