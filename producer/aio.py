@@ -109,6 +109,9 @@ class AsyncClient:
         await self.close()
 
     async def connect(self) -> None:
+        # drawn where it connects: a client made before a fork (a server's preloaded app)
+        # and connected in each child names a reply list of each child's own
+        self.client_id = secrets.token_hex(8)
         self._conn = await asyncio.to_thread(self.redis.async_client)  # may start embedded Redis
         self.queue = await open_async_queue(self._conn, self._queue_name)
         self.replies = AsyncReplyListener(self.queue, self.client_id,

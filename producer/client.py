@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import secrets
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, SimpleQueue
@@ -139,6 +141,11 @@ class Handle:
         return f"Handle({self.id!r})"
 
 
+# The clients of this process: a forked child gives each its own reply list (Client._own_replies)
+_CLIENTS: "weakref.WeakSet[Client]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [c._own_replies() for c in list(_CLIENTS)])
+
+
 class Client:
     """A producer for one queue. ``redis_url`` None: BATCHERY_REDIS_URL, else embedded.
     ``tenant``: whose fair share its requests are served from, where a call names none."""
@@ -149,12 +156,21 @@ class Client:
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn = self.redis.client()
         self.queue = open_queue(self._conn, queue)
-        self.client_id = secrets.token_hex(8)
-        self.replies = ReplyListener(self.queue, self.client_id, self._deletes_delivered)
         self._delete_delivered: bool | None = None
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)
         self._registered = False
+        self._own_replies()
+        _CLIENTS.add(self)
+
+    def _own_replies(self) -> None:
+        """This process's client id, the reply list it names, its reader and its enqueue
+        coalescer; made again in a forked child (a server's preloaded workers, a pool of
+        processes): the parent's reply list is the parent's (a child reading it would take
+        the parent's results, and the parent its), and the threads and locks of its reader
+        and coalescer did not cross the fork. What the parent waited for stays the parent's."""
+        self.client_id = secrets.token_hex(8)
+        self.replies = ReplyListener(self.queue, self.client_id, self._deletes_delivered)
         self._coalescer = ThreadEnqueueCoalescer(self._send, ENQUEUE_CHUNK)
 
     def __enter__(self) -> "Client":

@@ -12,6 +12,7 @@ import pytest
 from batchery import AsyncClient, Client, InvalidRequest, QueueFull, RequestTooLarge, ResultTimeout
 from batchery.batching.request import RequestIds, first_send, map_requests
 from batchery.connection import RedisSettings
+from batchery.producer import client as client_module
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.custom import CallableRunner
@@ -279,6 +280,67 @@ def test_request_ids_made_in_a_forked_child_are_its_own() -> None:
     os.close(read)
     after = ids()
     assert child.rsplit("-", 1)[0] != before.rsplit("-", 1)[0] == after.rsplit("-", 1)[0]
+
+
+def test_a_client_made_before_a_fork_reads_its_own_replies_in_each_child(
+        redis_url: str, queue_name: str) -> None:
+    """A client made before a fork (a server's preloaded workers) is in each child: each
+    child draws its own client id, so its results come through its own reply list, read by
+    its own reader (the parent's did not cross the fork), and the parent's reader does not
+    take them. The child's poll of its result keys is told they are still queued: only its
+    reply list can deliver (a client sharing its parent's list got each result from that
+    poll, a second late)."""
+    with Client(redis_url, queue_name) as client, BackgroundWorker(redis_url, queue_name):
+        assert client.enqueue("before").result(timeout=10).ok  # the parent's reader runs
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own requests, then gone
+            try:  # its result keys' poll answers "still queued": only replies deliver
+                client_module.POLL_S = 3600
+                client.queue.lookup = lambda ids: [True] * len(ids)
+                handles = [client.enqueue(f"child {i}") for i in range(20)]
+                deadline = time.monotonic() + 15
+                echoed = [h.result(timeout=max(0.01, deadline - time.monotonic())).output["echo"]
+                          for h in handles]
+                os.write(write, f"{client.client_id} {echoed == [f'child {i}' for i in range(20)]}"
+                         .encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        parent = client.map([f"parent {i}" for i in range(20)])
+        os.waitpid(pid, 0)
+        child = os.read(read, 200).decode().split()
+        os.close(read)
+    assert child[1:] == ["True"] and child[0] != client.client_id
+    assert [r.output["echo"] for r in parent] == [f"parent {i}" for i in range(20)]
+
+
+def test_an_async_client_made_before_a_fork_names_its_own_reply_list_in_each_child(
+        redis_url: str, queue_name: str) -> None:
+    """An AsyncClient made before a fork and connected in each process (a server's
+    preloaded app) draws its client id as it connects: each process names a reply list of
+    its own (one list shared, each reader takes the others' results and drops them)."""
+    made = AsyncClient(redis_url, queue_name)
+
+    async def one(name: str) -> str:
+        async with made as client:
+            result = await client.submit(name, timeout=15)
+            return f"{client.client_id} {result.output['echo'] == name}"
+
+    with BackgroundWorker(redis_url, queue_name):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                os.write(write, asyncio.run(one("child")).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        parent = asyncio.run(one("parent")).split()
+        os.waitpid(pid, 0)
+        child = os.read(read, 200).decode().split()
+        os.close(read)
+    assert parent[1:] == child[1:] == ["True"] and parent[0] != child[0]
 
 
 def test_sync_enqueues_from_many_threads_go_as_few_calls(private_redis: RedisServer,
