@@ -62,6 +62,14 @@ class ShardLayout:
         self.route_listeners: list[Callable[[Sequence[str]], None]] = []
         self._senders: ThreadPoolExecutor | None = None  # a multi-shard enqueue's, on a Cluster
 
+    def forked(self, listener: Callable[[Sequence[str]], None] | None) -> None:
+        """In a forked child: the parent's enqueue threads did not cross the fork, so its
+        pool is dropped (not shut down: that waits on them), and the parent's reply reader
+        (``listener``) no longer follows the routes."""
+        self._senders = None
+        if listener in self.route_listeners:
+            self.route_listeners.remove(listener)
+
     @property
     def shards(self) -> tuple[RequestQueue, ...]:  # type: ignore[override]
         """The shards in force; the first call reads how many (no Redis call before)."""

@@ -96,7 +96,7 @@ class AsyncClient:
         self.redis = RedisSettings.from_url(redis_url, cluster=cluster)
         self._conn: Any = None
         self._queue_name = check_queue_name(queue)
-        self.client_id = secrets.token_hex(8)
+        self.client_id = ""  # drawn as it connects (connect)
         self._new_id = RequestIds()
         self._count: TokenCounter | None = None
         self._delete_delivered = True  # read from the queue's settings on connect

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import secrets
@@ -26,6 +27,8 @@ from batchery.connection import RedisSettings
 from batchery.errors import ConfigError, RequestLost, ResultTimeout
 from batchery.producer.coalesce import ThreadEnqueueCoalescer
 from batchery.producer.replies import ReplyListener
+
+log = logging.getLogger(__name__)
 
 POLL_S = 1.0          # a waiter also reads the result key this often (covers lost replies)
 ENQUEUE_CHUNK = 500   # requests per enqueue call in map/stream: one Lua call each
@@ -141,9 +144,20 @@ class Handle:
         return f"Handle({self.id!r})"
 
 
-# The clients of this process: a forked child gives each its own reply list (Client._own_replies)
+# The open clients of this process: a forked child gives each its own reply list
+# (Client._own_replies)
 _CLIENTS: "weakref.WeakSet[Client]" = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [c._own_replies() for c in list(_CLIENTS)])
+
+
+def _after_fork() -> None:
+    for client in list(_CLIENTS):
+        try:
+            client._own_replies(forked=True)
+        except Exception:  # one client's trouble leaves the others theirs
+            log.exception("a client's reply list was not renewed after a fork")
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Client:
@@ -160,15 +174,19 @@ class Client:
         self._new_id = RequestIds()
         self._count = QueueCounter(self.queue.settings)
         self._registered = False
+        _CLIENTS.add(self)  # (first: a fork from another thread meanwhile renews it too)
         self._own_replies()
-        _CLIENTS.add(self)
 
-    def _own_replies(self) -> None:
+    def _own_replies(self, forked: bool = False) -> None:
         """This process's client id, the reply list it names, its reader and its enqueue
         coalescer; made again in a forked child (a server's preloaded workers, a pool of
         processes): the parent's reply list is the parent's (a child reading it would take
         the parent's results, and the parent its), and the threads and locks of its reader
-        and coalescer did not cross the fork. What the parent waited for stays the parent's."""
+        and coalescer did not cross the fork, nor a Cluster's enqueue threads. What the
+        parent waited for stays the parent's: a ``map`` or ``stream`` the parent began is
+        not carried on in the child."""
+        if forked:
+            self.queue.forked(self.replies.follow)
         self.client_id = secrets.token_hex(8)
         self.replies = ReplyListener(self.queue, self.client_id, self._deletes_delivered)
         self._coalescer = ThreadEnqueueCoalescer(self._send, ENQUEUE_CHUNK)
@@ -180,6 +198,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        _CLIENTS.discard(self)
         self.replies.close()
         self._conn.close()
 

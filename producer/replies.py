@@ -65,7 +65,7 @@ class ReplyListener:
         self._followed: tuple[str, ...] = ()
         self._readers: dict[str | None, threading.Thread] = {}
         self._pid = os.getpid()
-        queue.follow_routes(self._follow)
+        queue.follow_routes(self.follow)
 
     def watch(self, request_id: str) -> Future:
         """A future for the request's result; register it before enqueueing the request."""
@@ -85,12 +85,11 @@ class ReplyListener:
         with self._lock:
             self._sinks.update((request_id, sink) for request_id in request_ids)
 
-    def _follow(self, tags: Iterable[str]) -> None:
+    def follow(self, tags: Iterable[str]) -> None:
         """Read the reply lists of these shards too (called as an enqueue routes)."""
         new = [t for t in tags if t not in self._followed]
         if not new or os.getpid() != self._pid:  # (a parent's reader, copied by a fork: not
             return                                # this process's, Client._own_replies)
-            return
         with self._lock:
             self._followed = tuple(dict.fromkeys([*self._followed, *new]))
             for reader in (new if self._queue.cluster else [None]):
@@ -214,7 +213,7 @@ class AsyncReplyListener:
         self._sinks.pop(request_id, None)
 
     def _follow(self, tags: Iterable[str]) -> None:
-        """As ReplyListener._follow, with a task per reader (called in the event loop)."""
+        """As ReplyListener.follow, with a task per reader (called in the event loop)."""
         new = [t for t in tags if t not in self._followed]
         if not new:
             return

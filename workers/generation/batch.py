@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from batchery.workers.generation.kv_slab import Slab
 from batchery.workers.generation.prefix_cache import BLOCK_TOKENS, PrefixCache
@@ -82,8 +83,13 @@ class Prefill:
 
 def cache_keyword(model: Any) -> str:
     """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.x
-    on (where ``past_key_values`` is deprecated, to go in 5.40), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    on (where ``past_key_values`` is deprecated, to go in 5.40), ``past_key_values`` before;
+    a wrapper whose forward names neither (``**kwargs``) gets the library's own name."""
+    forward = getattr(model, "_orig_mod", model).forward  # (torch.compile's wrapper: its model)
+    named = inspect.signature(forward).parameters
+    if "cache" in named or "past_key_values" in named:
+        return "cache" if "cache" in named else "past_key_values"
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def cache_out(out: Any) -> Any:
