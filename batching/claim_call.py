@@ -45,10 +45,10 @@ def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
     return Call(fixed_keys(k, "claim", claim=k.claim(token)),
                 [token, max_batch_size, max_batch_tokens, max_wait_ms,
                  min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-                 "" if ceiling is None else int(ceiling), *joined_counts(counts)])
+                 "" if ceiling is None else int(ceiling), *packed_counts(counts)])
 
 
-def joined_counts(counts: Sequence[tuple[str, Any]]) -> list[bytes]:
+def packed_counts(counts: Sequence[tuple[str, Any]]) -> list[bytes]:
     """A worker's counts as the claim takes them: two MessagePack arrays, the ids and their
     counts in the same order, which the claim unpacks with one call each (cmsgpack: a
     pattern splitting a joined text ran per character, about 4k instructions a request).
@@ -64,25 +64,34 @@ def count_of(count: Any) -> int:
     return 0
 
 
+# MessagePack's headers wider than one byte: (struct format, type code, lengths below)
+ARRAY_HEADERS = ((">BH", 0xDC, 1 << 16), (">BI", 0xDD, 1 << 32))
+TEXT_HEADERS = ((">BB", 0xD9, 1 << 8), (">BH", 0xDA, 1 << 16), (">BI", 0xDB, 1 << 32))
+
+
 def packed_array(items: Sequence[str | int]) -> bytes:
     """``items`` (texts and integers from 0 to 2**32 - 1) as one MessagePack array
     (msgpack.org's format: a length, then each item with its type and length). A text
     holding bytes that are not UTF-8 (read from Redis as lone surrogates) goes as those
     bytes."""
-    n = len(items)
-    out = [bytes([0x90 | n]) if n < 16 else struct.pack(">BH", 0xDC, n) if n < 1 << 16
-           else struct.pack(">BI", 0xDD, n)]
+    out = [length_header(len(items), 0x90, 16, ARRAY_HEADERS)]
     for item in items:
         if isinstance(item, int):
             out.append(bytes([item]) if item < 0x80 else struct.pack(">BI", 0xCE, item))
-            continue
-        b = item.encode("utf-8", ENCODING_ERRORS)  # an id read from Redis as it was there
-        size = len(b)
-        out.append(bytes([0xA0 | size]) if size < 32 else struct.pack(">BB", 0xD9, size)
-                   if size < 1 << 8 else struct.pack(">BH", 0xDA, size) if size < 1 << 16
-                   else struct.pack(">BI", 0xDB, size))
-        out.append(b)
+        else:
+            b = item.encode("utf-8", ENCODING_ERRORS)  # an id read from Redis as it was there
+            out += [length_header(len(b), 0xA0, 32, TEXT_HEADERS), b]
     return b"".join(out)
+
+
+def length_header(n: int, fixed: int, fixed_below: int,
+                  wider: tuple[tuple[str, int, int], ...]) -> bytes:
+    """The header of an array or text of length ``n``: the length inside its one byte
+    (``fixed | n``) below ``fixed_below``, else the narrowest of ``wider`` that holds it."""
+    if n < fixed_below:
+        return bytes([fixed | n])
+    fmt, code, _ = next(w for w in wider if n < w[2])
+    return struct.pack(fmt, code, n)
 
 
 def claim_payload_ids(reply: list[Any]) -> list[str]:

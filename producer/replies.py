@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import weakref
 from concurrent.futures import Future
@@ -64,7 +63,6 @@ class ReplyListener:
         # reader, keyed None, over all of them (a single Redis)
         self._followed: tuple[str, ...] = ()
         self._readers: dict[str | None, threading.Thread] = {}
-        self._pid = os.getpid()
         queue.follow_routes(self.follow)
 
     def watch(self, request_id: str) -> Future:
@@ -88,8 +86,8 @@ class ReplyListener:
     def follow(self, tags: Iterable[str]) -> None:
         """Read the reply lists of these shards too (called as an enqueue routes)."""
         new = [t for t in tags if t not in self._followed]
-        if not new or os.getpid() != self._pid:  # (a parent's reader, copied by a fork: not
-            return                                # this process's, Client._own_replies)
+        if not new:
+            return
         with self._lock:
             self._followed = tuple(dict.fromkeys([*self._followed, *new]))
             for reader in (new if self._queue.cluster else [None]):

@@ -87,9 +87,8 @@ def cache_keyword(model: Any) -> str:
     a wrapper whose forward names neither (``**kwargs``) gets the library's own name."""
     forward = getattr(model, "_orig_mod", model).forward  # (torch.compile's wrapper: its model)
     named = inspect.signature(forward).parameters
-    if "cache" in named or "past_key_values" in named:
-        return "cache" if "cache" in named else "past_key_values"
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    library = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    return next((name for name in ("cache", "past_key_values") if name in named), library)
 
 
 def cache_out(out: Any) -> Any:
