@@ -65,6 +65,15 @@ class AsyncRequestQueue:
         call = lookup_call(self.keys, ids)
         return parse_lookup(await self.scripts.lookup(call.keys, call.args), ids)
 
+    async def keep_results(self, results: Sequence[Result]) -> None:
+        """As RequestQueue.keep_results."""
+        if results:
+            ttl = (await self.settings()).result_ttl
+            pipe = self.client.pipeline(transaction=False)
+            for result in results:
+                pipe.set(self.keys.result(result.id), result.to_json(), ex=ttl)
+            await pipe.execute()
+
     async def forget_results(self, ids: Sequence[str]) -> None:
         if ids:
             await self.client.delete(*(self.keys.result(i) for i in ids))

@@ -11,7 +11,8 @@ import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
 from batchery.batching.async_queue import AsyncRequestQueue
-from batchery.batching.calls import Cancelled, parse_reply_read, reply_read
+from batchery.batching.calls import Cancelled
+from batchery.batching.reply_lists import Popped, parse_reply_read, reply_read
 from batchery.batching.keys import Keys, shard_of, shard_tags
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
@@ -125,17 +126,38 @@ class AsyncShardedQueue:
         for i, positions in grouped(ids, len(shards)).items():
             await shards[i].forget_results([ids[p] for p in positions])
 
+    async def keep_results(self, results: Sequence[Result]) -> None:
+        shards = self.shards
+        for i, positions in grouped([r.id for r in results], len(shards)).items():
+            await shards[i].keep_results([results[p] for p in positions])
+
     def _shard_at(self, tag: str) -> AsyncRequestQueue:
         return next((q for q in self.shards if q.keys.tag == tag), None) or \
             AsyncRequestQueue(self.client, self.name, tag, self.scripts)
 
-    async def pop_replies(self, client_id: str, block_s: float, most: int,
-                          tags: Sequence[str] | None = None,
-                          forget: Sequence[str] = ()) -> list[Result]:
+    async def pop_replies(self, client_id: str, block_s: float,
+                          tags: Sequence[str] | None = None, forget: Sequence[str] = (),
+                          parity: int = 0, alone: bool = False) -> Popped:
         """As ShardedQueue.pop_replies."""
-        keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
+        shards = [self._shard_at(t).keys for t in tags or self.tags()]
         forgotten = [self.keys_for(i).result(i) for i in forget]
         pipe = self.client.pipeline(transaction=False)
-        deletes = reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        deletes = reply_read(pipe, shards, client_id, parity, alone, block_s, forgotten,
+                             self.cluster)
         replies = await pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, deletes)
+        return parse_reply_read(replies, deletes, len(shards))
+
+    async def replies_waiting(self, client_id: str, tags: Sequence[str]) -> bool:
+        """As ShardedQueue.replies_waiting."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in (self._shard_at(t).keys for t in tags):
+            pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
+        return any(await pipe.execute())
+
+    async def unmark_reader(self, client_id: str, tags: Sequence[str], parity: int) -> None:
+        """As ShardedQueue.unmark_reader."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in (self._shard_at(t).keys for t in tags):
+            pipe.delete(k.inbox(client_id, 1 - parity))
+            pipe.delete(k.reader(client_id))
+        await pipe.execute()

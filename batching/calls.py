@@ -106,9 +106,12 @@ def new_call_id() -> str:
 
 def declared_keys(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> list[str]:
     """The keys a script writes beyond its fixed ones, declared in KEYS as Redis Cluster
-    demands: the result key of each id, then the reply list of each client ('' none)."""
+    demands: the result key of each id, then the reply list, reader mark and bell of each
+    client ('' none)."""
     result, reply = k.result_prefix, k.reply_prefix  # properties: built once, not per id
-    return [*(result + i for i in ids), *(reply + c for c in dict.fromkeys(clients) if c)]
+    readers = [c for c in dict.fromkeys(clients) if c]
+    return [*(result + i for i in ids),
+            *(key for c in readers for key in (reply + c, k.reader(c), k.bell(c)))]
 
 
 def parse_clients(scheds: Sequence[str | None]) -> list[str]:
@@ -137,9 +140,8 @@ def cancel_call(k: Keys, ids: Sequence[str], clients: Sequence[str]) -> Call:
         args += [request_id, Result(id=request_id, status=CANCELLED,
                                     error={"type": "Cancelled",
                                            "message": "cancelled by the client"}).to_json()]
-    return Call([*fixed_keys(k, "cancel"), *(k.result(i) for i in ids),
-                 *(k.cancelled(i) for i in ids), *(k.reply(c) for c in dict.fromkeys(clients) if c)],
-                args)
+    return Call([*fixed_keys(k, "cancel"), *(k.cancelled(i) for i in ids),
+                 *declared_keys(k, ids, clients)], args)
 
 
 def lookup_call(k: Keys, ids: Sequence[str]) -> Call:
@@ -198,7 +200,8 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
     """The complete script's KEYS and ARGV: (id, lease token, result JSON) items, each
     with its client (see lua/complete.lua)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
-                       ",".join(f"{name}={n}" for name, n in totals.items() if n)]
+                       ",".join(f"{name}={n}" for name, n in totals.items() if n),
+                       int(DEFAULTS.delete_delivered)]
     run = -1  # where the current run's count is in args: a run shares a token and a client
     for (_, token, result), client in zip(items, clients, strict=True):
         if run < 0 or args[run - 2] != token or args[run - 1] != client:
@@ -206,8 +209,8 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
             run = len(args) - 1
         args[run] += 1
         args.append(result)  # the id goes in its result key only
-    return Call([*fixed_keys(k, "complete"), *declared_keys(k, [i[0] for i in items], clients)],
-                args)
+    return Call([*fixed_keys(k, "complete", call=k.call(new_call_id())),
+                 *declared_keys(k, [i[0] for i in items], clients)], args)
 
 
 def fail_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]],
@@ -238,6 +241,15 @@ def reap_call(k: Keys, limit: int, declared: Sequence[str] = ()) -> Call:
     return Call([*fixed_keys(k, "reap"), *declared],
                 [k.result_prefix, k.reply_prefix, DEFAULTS.max_attempts, DEFAULTS.result_ttl,
                  limit, DEFAULTS.dead_ttl])
+
+
+def drain_call(k: Keys, client_id: str, alone_ids: Sequence[str]) -> Call:
+    """The drain script's KEYS and ARGV (lua/drain.lua): a stopped reader's keys, and the
+    result key of each result the caller read on its lists that was pushed alone."""
+    return Call([*fixed_keys(k, "drain"), k.reader(client_id), k.reply(client_id),
+                 k.inbox(client_id, 0), k.inbox(client_id, 1), k.bell(client_id),
+                 *(k.result(i) for i in dict.fromkeys(alone_ids))],
+                [client_id, k.result_prefix, DEFAULTS.result_ttl])
 
 
 def parse_reap(reply: list[Any], reaped: Reaped) -> tuple[list[str], list[str]]:
@@ -289,48 +301,6 @@ def revive_call(k: Keys, ids: Sequence[str]) -> Call:
     """The revive script's KEYS and ARGV: dead letters sent back to the queue."""
     return Call([*fixed_keys(k, "revive"), *(k.result(i) for i in ids)],
                 [k.result_prefix, *ids])
-
-
-def reply_read(pipe: Any, reply_keys: Sequence[str], block_s: float, most: int,
-               forget: Sequence[str] = (), cluster: bool = False) -> int:
-    """A client's read of its reply lists in one round trip, queued on ``pipe`` (a
-    pipeline, not a transaction; run it with raise_on_error=False): the DEL of ``forget``
-    (result keys the last read delivered: QueueSettings.delete_delivered), a BLPOP of up
-    to ``block_s`` on ``reply_keys``, then an LPOP of each list (up to ``most`` results in
-    all). Redis runs a connection's commands in order, so the LPOPs run as soon as the
-    BLPOP answers or times out: what was pushed meanwhile comes along. On a Cluster each
-    key is its own DEL (routed by its slot: a result read after the shard count changed
-    may live in another slot than the list it came on). Returns how many DELs lead the
-    replies, for parse_reply_read."""
-    deletes = ([[key] for key in forget] if cluster else [list(forget)]) if forget else []
-    for keys in deletes:
-        pipe.execute_command("DEL", *keys)
-    pipe.blpop(list(reply_keys), timeout=block_s)
-    share = max(1, (most - 1) // len(reply_keys))
-    for key in reply_keys:
-        pipe.lpop(key, share)
-    return len(deletes)
-
-
-def parse_reply_read(replies: list[Any], deletes: int = 0) -> list[Result]:
-    """The results of a reply_read whose first ``deletes`` replies are its DELs, in the
-    order they were pushed on each list. A DEL that failed is logged (the results expire
-    after result_ttl); a pop that failed raises, unless another pop of the read took
-    something: that is returned, not dropped (the failing pop fails again on the next
-    read)."""
-    failed = [r for r in replies[:deletes] if isinstance(r, Exception)]
-    if failed:
-        log.warning("deleting delivered results failed (%s); they expire after their "
-                    "result_ttl", failed[0])
-    first, *rest = replies[deletes:]
-    raws = [first[1]] if first and not isinstance(first, Exception) else []
-    for popped in rest:
-        if popped and not isinstance(popped, Exception):
-            raws += popped
-    error = next((r for r in replies[deletes:] if isinstance(r, Exception)), None)
-    if error is not None and not raws:
-        raise error
-    return Result.from_json_many(raws)
 
 
 def purge_call(k: Keys, ids: Sequence[str], everything: bool) -> Call:

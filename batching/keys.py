@@ -255,6 +255,38 @@ class Keys:
     def reply(self, client_id: str) -> str:
         return self.reply_prefix + client_id
 
+    # A client's reader, on each shard it reads: the keys below sit beside its reply list
+    # (lua/_common.lua reader_keys makes the reader's and the bell's from the list's
+    # prefix: "reply:" -> "reader:", "bell:").
+    @property
+    def reader_prefix(self) -> str:
+        """Prefix of the per-client STRING its reader sets at each read, for
+        reply_lists.READER_LIVE_MS: "1" when the reader's owner deletes what it delivers (a
+        commit then pushes the client's results onto its list alone, not under their keys
+        too: lua/complete.lua), "0" when not; while set, a push rings the bell."""
+        return self._key("reader:")
+
+    def reader(self, client_id: str) -> str:
+        return self.reader_prefix + client_id
+
+    def bell(self, client_id: str) -> str:
+        """LIST of at most one entry, pushed with results while the client's reader is
+        set: the reader blocks on its bells, not on its lists, so that no result is taken
+        off a list in a reply that may be lost (reply_lists.reply_read)."""
+        return self._key("bell:") + client_id
+
+    def inbox(self, client_id: str, parity: int) -> str:
+        """LIST a reader's read moves its reply list to (RENAMENX) and reads; deleted by
+        its next read, once what it held was delivered. Two, by the reads' parity: a read
+        retried after a lost reply finds its own still there."""
+        return self._key(f"inbox:{parity}:") + client_id
+
+    @property
+    def readers(self) -> str:
+        """SET of the clients whose readers read here: where the reaper looks for one that
+        stopped, to keep what its lists hold under the result keys (lua/drain.lua)."""
+        return self._key("readers")
+
     def stream(self, request_id: str) -> str:
         """STREAM of a generation's events (start, tokens, end), trimmed and expiring:
         see batching/streams.py."""

@@ -13,11 +13,10 @@ from typing import Any, Callable, Sequence
 import redis
 
 from batchery.batching.calls import (Call, Cancelled, Failed, Reaped, attach_call, cancel_call,
-                                     complete_call, declared_keys, enqueue_call, fail_call,
-                                     lookup_call, memory_full, parse_cancel, parse_clients,
+                                     complete_call, declared_keys, drain_call, enqueue_call,
+                                     fail_call, lookup_call, memory_full, parse_cancel, parse_clients,
                                      parse_enqueue, parse_fail, parse_lookup, parse_reap,
-                                     parse_reply_read, reap_call,
-                                     release_call, renew_call, reply_read, workers_call,
+                                     reap_call, release_call, renew_call, workers_call,
                                      fold_call)
 from batchery.batching.claim_call import ClaimReply, claim_call, claim_payload_ids, parse_claim
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
@@ -122,12 +121,22 @@ class RequestQueue(QueueInspection):
             return []
         return parse_lookup(self._run("lookup", lookup_call(self.keys, ids)), ids)
 
-    def pop_replies(self, client_id: str, block_s: float, most: int) -> list[Result]:
-        """Results pushed onto a client's reply list: waits up to ``block_s`` for one,
-        then takes up to ``most`` in all (calls.reply_read)."""
-        pipe = self.client.pipeline(transaction=False)
-        reply_read(pipe, [self.keys.reply(client_id)], block_s, most)
-        return parse_reply_read(pipe.execute(raise_on_error=False))
+    def pop_replies(self, client_id: str, most: int) -> list[Result]:
+        """Up to ``most`` results taken off a client's reply list, no reader marked (the
+        commits keep them under their keys too): a look at a list for tools and tests;
+        clients read theirs with ShardedQueue.pop_replies."""
+        return Result.from_json_many(self.client.lpop(self.keys.reply(client_id), most) or [])
+
+    def keep_results(self, results: Sequence[Result]) -> None:
+        """Store results under their keys for result_ttl: those a reader popped from a
+        list they were pushed onto alone (reply_lists.Popped) and that reached nobody, so that
+        they stay readable by id as the others do."""
+        if results:
+            ttl = self.settings().result_ttl
+            pipe = self.client.pipeline(transaction=False)
+            for result in results:
+                pipe.set(self.keys.result(result.id), result.to_json(), ex=ttl)
+            pipe.execute()
 
     def forget_results(self, ids: Sequence[str]) -> None:
         """Delete results that reached their reader (QueueSettings.delete_delivered)."""
@@ -274,7 +283,37 @@ class RequestQueue(QueueInspection):
             self.fold_tenants()
         except redis.ResponseError as exc:  # e.g. a worker ACL from before the fold (no +hlen)
             log.warning("reaper: could not fold the tenants' totals (%s): the reaping stands", exc)
+        try:
+            self.drain_readers()
+        except redis.ResponseError as exc:  # e.g. a worker ACL from before the readers
+            log.warning("reaper: could not keep what stopped clients' readers left on their "
+                        "reply lists (%s): grant the worker the commands of "
+                        "docs/guides/least-privilege.md, or those results expire with "
+                        "their lists", exc)
         return reaped
+
+    def drain_readers(self) -> int:
+        """Keep under their result keys the results that readers which stopped (their
+        marks lapsed: closed, or died) left on their lists (lua/drain.lua); returns how
+        many. A reader back before its turn is left alone."""
+        k = self.keys
+        clients = sorted(self.client.smembers(k.readers))
+        if not clients:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for client in clients:
+            pipe.exists(k.reader(client))
+        stopped = [c for c, live in zip(clients, pipe.execute()) if not live]
+        kept = 0
+        for client in stopped:
+            pipe = self.client.pipeline(transaction=False)
+            for key in (k.inbox(client, 0), k.inbox(client, 1), k.reply(client)):
+                pipe.lrange(key, 0, -1)
+            entries = [e for found in pipe.execute() for e in found]
+            alone = [e for e in entries if e[:1] not in (" ", b" ")]
+            ids = [r.id for r in Result.from_json_many(alone)]
+            kept += max(0, int(self._run("drain", drain_call(k, client, ids))))
+        return kept
 
     def fold_tenants(self, keep: int = SERVED_KEPT) -> int:
         """Keep the per-tenant fields bounded (lua/fold.lua): past ``keep`` tenants served,

@@ -27,7 +27,7 @@ FIXED_KEYS: dict[str, tuple[str, ...]] = {
               "settings", "depth", "claim", "fair", "fair_tenants", "vtc", "served", "rates",
               "plan", "lease_ids"),
     "complete": ("requests", "sched", "attempts", "lease_expiry", "settings", "stats",
-                 "history", "lease_ids"),
+                 "history", "lease_ids", "call"),
     "fail": ("requests", "sched", "attempts", "lease_expiry", "delayed", "dead",
              "settings", "depth", "stats", "history", "call", "lease_ids"),
     "reap": ("lease_expiry", "owner", "attempts", "pending", "sched", "dead", "settings", "depth",
@@ -47,6 +47,7 @@ FIXED_KEYS: dict[str, tuple[str, ...]] = {
     "oldest": ("pending", "sched"),
     "attach": ("cancelled", "result"),
     "fold": ("served", "depth", "vtc", "fair_tenants"),
+    "drain": ("settings", "readers"),
 }
 NAMES = tuple(FIXED_KEYS)
 

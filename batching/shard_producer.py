@@ -6,7 +6,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from batchery.batching.calls import Cancelled, parse_reply_read, reply_read
+from batchery.batching.calls import Cancelled
+from batchery.batching.reply_lists import Popped, parse_reply_read, reply_read
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
@@ -119,21 +120,45 @@ class ProducerCalls(ShardLayout):
     def forget_results(self, ids: Sequence[str]) -> None:
         self._per_shard(ids, RequestQueue.forget_results)
 
+    def keep_results(self, results: Sequence[Result]) -> None:
+        self._per_shard(results, RequestQueue.keep_results, lambda result: result.id)
+
     def keys_for(self, request_id: str) -> Any:
         return self.shard(request_id).keys
 
-    def pop_replies(self, client_id: str, block_s: float, most: int,
-                    tags: Sequence[str] | None = None, forget: Sequence[str] = ()) -> list[Result]:
+    def pop_replies(self, client_id: str, block_s: float, tags: Sequence[str] | None = None,
+                    forget: Sequence[str] = (), parity: int = 0, alone: bool = False) -> Popped:
         """Results pushed onto this client's reply lists on the shards ``tags`` (None:
         every shard), in one round trip that first deletes the results of ``forget`` (ids
-        the last read delivered): calls.reply_read. The tags must share a node (a single
-        Redis) or be one (a Cluster: one reader per shard, whose results are its own)."""
-        keys = [self._shard_at(t).keys.reply(client_id) for t in tags or self.tags()]
+        the last read delivered) and what the last read (of the other ``parity``) took,
+        and marks the reader there (reading ``alone``): reply_lists.reply_read. The tags must
+        share a node (a single Redis) or be one (a Cluster: one reader per shard, whose
+        results are its own)."""
+        shards = [self._shard_at(t).keys for t in tags or self.tags()]
         pipe = self.client.pipeline(transaction=False)
         forgotten = [self.keys_for(i).result(i) for i in forget]
-        deletes = reply_read(pipe, keys, block_s, most, forgotten, self.cluster)
+        deletes = reply_read(pipe, shards, client_id, parity, alone, block_s, forgotten,
+                             self.cluster)
         replies = pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, deletes)
+        return parse_reply_read(replies, deletes, len(shards))
+
+    def replies_waiting(self, client_id: str, tags: Sequence[str]) -> bool:
+        """Whether this client's reply lists or its reads' inboxes on the shards ``tags``
+        hold anything: results on their way to its waiters (reply_lists.reply_read)."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in (self._shard_at(t).keys for t in tags):
+            pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
+        return any(pipe.execute())
+
+    def unmark_reader(self, client_id: str, tags: Sequence[str], parity: int) -> None:
+        """A reader that stops: the last read's inbox deleted (delivered), its marks lifted
+        (results are kept under their keys again); what its lists still hold the reaper
+        keeps under the keys (lua/drain.lua)."""
+        pipe = self.client.pipeline(transaction=False)
+        for k in (self._shard_at(t).keys for t in tags):
+            pipe.delete(k.inbox(client_id, 1 - parity))
+            pipe.delete(k.reader(client_id))
+        pipe.execute()
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]

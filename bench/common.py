@@ -254,3 +254,24 @@ def accelerator(device: Any) -> str:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+class ReplyReader:
+    """A client's reader as producer/replies.py reads: marked, reading its reply list alone
+    (reply_lists.reply_read), the results kept under their keys deleted after the next read."""
+
+    def __init__(self, conn: redis.Redis, keys: Any, client: str) -> None:
+        self.conn, self.keys, self.client = conn, keys, client
+        self.parity, self.forget = 0, []
+
+    def read(self, block_s: float = 0.001) -> int:
+        """One read; the results it got."""
+        from batchery.batching.reply_lists import parse_reply_read, reply_read
+        pipe = self.conn.pipeline(transaction=False)
+        deletes = reply_read(pipe, [self.keys], self.client, self.parity, True, block_s,
+                             [self.keys.result(i) for i in self.forget])
+        popped = parse_reply_read(pipe.execute(raise_on_error=False), deletes, 1)
+        self.parity = 1 - self.parity
+        self.forget = [r.id for r in popped.results if r.id in popped.kept]
+        return len(popped.results)
+

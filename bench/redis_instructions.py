@@ -7,7 +7,7 @@ drives the scripts in the shapes the defaults give them, one call at a time: enq
 500 (or E), claims of 64 (or C) by a worker that
 counts tokens (each claim sending the counts of the requests the last one priced ahead),
 commits of as many with the worker holding two batches, result delivery as the Client does
-it (pop the reply list, delete the results read), B requests (default 1,000) standing
+it (its reader's read: marked, reading its reply list alone), B requests (default 1,000) standing
 in the queue throughout, as in ``bench.redis_time``'s run; ``--exact``: the producer
 counts tokens, as one with transformers does (else it estimates); ``--text``: the inputs
 are standard-library paragraphs of varied length, counted by their words, not integers
@@ -77,6 +77,10 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
     ahead: list[Any] = []
     claims = 0
 
+    reader = common.ReplyReader(conn, queue.keys, "bench")
+    reader.read()  # the reader marks itself as the Client's does
+    dump("")
+
     def claim(token: str, counts: list[tuple[str, int]]) -> Any:
         """As the worker claims with its defaults, the head not held (max_wait_ms 0)."""
         return queue.claim(token, claim_size, DEFAULTS.max_batch_tokens, 0,
@@ -105,8 +109,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                          for c in batch]
                 queue.complete(items, {"requests": len(items), "batches": 1}, [c.client for c in batch])
                 dump("commit")
-                jsons = conn.lpop(queue.keys.reply("bench"), 1000) or []
-                queue.forget_results([Result.from_json(j).id for j in jsons])
+                reader.read()
                 dump("delivery")
     conn.close()
 

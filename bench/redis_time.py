@@ -79,8 +79,11 @@ class RedisTime:
         self.conn = redis.Redis.from_url(url, decode_responses=True)
         self.url = url
         self.pid = common.redis_pid(url)
-        self.reply_prefix = Keys(queue).reply_prefix
-        self.result_prefix = Keys(queue).result_prefix
+        keys = Keys(queue)
+        # the keys of a client's reads (producer/replies.py): its lists, inboxes, bells and
+        # marks, and the results it deletes
+        self.delivery = (keys.reply_prefix, keys.result_prefix, keys.reader_prefix,
+                         keys.bell(""), keys.inbox("", 0), keys.inbox("", 1), keys.readers)
         self.requests = Keys(queue).requests  # a claim's payloads, read after its script
         self.by_sha = {hashlib.sha1(scripts.source(name).encode()).hexdigest(): name
                        for name in scripts.NAMES}
@@ -121,8 +124,8 @@ class RedisTime:
         keys = args[1:]
         if command == "hmget" and keys[:1] == [self.requests]:
             return "claim"  # the payloads a claim leased and handed ahead (RequestQueue.claim)
-        if any(k.startswith((self.reply_prefix, self.result_prefix)) for k in keys):
-            return "result delivery"  # the client's reply-list pops and result reads
+        if any(k.startswith(self.delivery) for k in keys):
+            return "result delivery"  # the client's reply-list reads and result reads
         return "other commands"
 
     def report(self, n: int) -> dict[str, Any]:
@@ -187,16 +190,16 @@ def phases(url: str, n: int) -> dict[str, float]:
                             for c in part], {"requests": len(part)}, [c.client for c in part])
 
     def deliver() -> None:
-        """As the client: pop the replies, delete the results read (delete_delivered)."""
-        got, key = 0, queue.keys.reply("bench")
+        """As the client's reader (common.ReplyReader), marked before the commits."""
+        got = 0
         while got < n:
-            popped = conn.blpop([key], timeout=5)
-            jsons = [popped[1]] + (conn.lpop(key, 1000) or [])
-            queue.forget_results([Result.from_json(j).id for j in jsons])
-            got += len(jsons)
+            got += reader.read(5)
+        reader.read()  # deletes what the last read moved
 
+    reader = common.ReplyReader(conn, queue.keys, "bench")
     timed("enqueue", lambda: [queue.enqueue(requests[lo:lo + 500], "bench") for lo in range(0, n, 500)])
     claimed = timed("claim", claim_all)
+    reader.read()  # marked as the commits come (a mark lasts READER_LIVE_MS)
     timed("complete", lambda: complete_all(claimed))
     timed("result delivery", deliver)
     conn.close()

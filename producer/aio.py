@@ -49,8 +49,8 @@ class AsyncHandle:
                     if self._client.replies.deliver(found):
                         await self._client.replies.delivered([found])
                     return found
-                if not found:  # its reply may have been delivered as we looked
-                    if self._future.done():
+                if not found and await self._client.replies.confirm_gone([self.id]):
+                    if self._future.done():  # its reply was delivered as we looked
                         return self._future.result()
                     raise lost(self.id)
             if deadline is not None and time.monotonic() >= deadline:
@@ -239,7 +239,7 @@ class AsyncClient:
             elif not found:
                 gone.append(request_id)
         await self.replies.delivered(delivered)
-        return gone
+        return await self.replies.confirm_gone(gone)
 
     async def lookup(self, ids: list[str]) -> list[Result | bool]:
         """Each request's Result; else True while Redis holds it, False when it does not."""

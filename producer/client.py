@@ -94,8 +94,8 @@ class Handle:
                     if self._client.replies.deliver(found):
                         self._client.replies.delivered([found])
                     return found
-                if not found:  # its reply may have been delivered as we looked
-                    if self._future.done():
+                if not found and self._client.replies.confirm_gone([self.id]):
+                    if self._future.done():  # its reply was delivered as we looked
                         return self._future.result()
                     raise lost(self.id)
             if deadline is not None and time.monotonic() >= deadline:
@@ -334,7 +334,7 @@ class Client:
                 elif not found:
                     gone.append(request_id)
         self.replies.delivered(delivered)
-        return gone
+        return self.replies.confirm_gone(gone)
 
     def map(self, inputs: Iterable[Any], priority: str | int = DEFAULT_PRIORITY,
             deadline: float | None = None, max_in_flight: int = MAX_IN_FLIGHT,

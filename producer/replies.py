@@ -1,17 +1,28 @@
 """One blocking read per client: a reply list that workers push results onto.
 
 Each client owns one list per queue shard it enqueued into (``Keys.reply(client_id)``:
-a script pushes only within its shard's slot). One reader pops them all in bulk with one
-BLPOP on a single Redis; on a Cluster (where a BLPOP cannot span slots) one reader per
-shard does. The readers start as the queue routes the client's first request to a shard
-(``follow_routes``), and resolve the futures of the handles waiting on them. A result
-nobody waits for any more (its handle was dropped) is not kept: it stays readable under
-its key.
-Results that reached a waiter are deleted from Redis when ``deletes_delivered()`` says
-so (QueueSettings.delete_delivered), by the reader's next read, in its round trip
-(calls.reply_read); dead letters are not, they stay for ``batchery queue dead list``,
-nor cancelled ones (kept for result_ttl): the worker that was generating one attaches
-its text after the cancel (lua/attach.lua).
+a script pushes only within its shard's slot). One reader reads them all with one
+round trip on a single Redis; on a Cluster (where a blocking pop cannot span slots) one
+reader per shard does. The readers start as the queue routes the client's first request
+to a shard (``follow_routes``), and resolve the futures of the handles waiting on them.
+
+A read (reply_lists.reply_read) marks the reader on each shard, blocks on its bells (rung by
+each push while the mark lasts), moves each list whole to an inbox and reads it; the
+next read deletes that inbox, once what it held was delivered. Where the reader's owner
+deletes delivered results (``deletes_delivered``: QueueSettings.delete_delivered) the
+mark says it reads alone: a commit then pushes a result onto the list alone, not under
+its key too (lua/complete.lua). Such a result that reaches nobody (its handle was
+dropped) is stored under its key then (keep_results), to stay readable by id; one that
+reaches its waiter is nowhere else. A result kept under its key too (pushed while no
+reader was marked, a dead letter, a cancel) is deleted once delivered where the owner
+deletes delivered results, by the reader's next read, in its round trip; dead letters
+are not, they stay for ``batchery queue dead list``, nor cancelled ones (kept for
+result_ttl): the worker that was generating one attaches its text after the cancel
+(lua/attach.lua). A reader that stops lifts its marks; what its lists still hold the
+reaper keeps under the result keys (lua/drain.lua).
+
+So a request Redis knows nothing of may have its result on its way, on a list or in an
+inbox: ``confirm_gone`` tells those from requests Redis lost before a waiter gives up.
 """
 
 from __future__ import annotations
@@ -21,19 +32,19 @@ import logging
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import redis
 
 from batchery import tracing
 from batchery.batching.async_sharded import AsyncShardedQueue
+from batchery.batching.reply_lists import Popped, UnreadableRead
 from batchery.batching.messages import CANCELLED, DEAD, Result
 from batchery.batching.sharded import ShardedQueue
 from batchery.connection import Backoff
 
 log = logging.getLogger(__name__)
 BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
-DRAIN = 1000       # results popped per round trip once one arrived
 # what a read may raise and its reader outlives: Redis' errors, and redis-py's refusals of
 # a Cluster command (not a RedisError)
 READ_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
@@ -63,6 +74,8 @@ class ReplyListener:
         # reader, keyed None, over all of them (a single Redis)
         self._followed: tuple[str, ...] = ()
         self._readers: dict[str | None, threading.Thread] = {}
+        # it reads its lists alone where its owner deletes what it delivers
+        self._alone = deletes_delivered is not None
         queue.follow_routes(self.follow)
 
     def watch(self, request_id: str) -> Future:
@@ -131,6 +144,16 @@ class ReplyListener:
         delivered (a reader's own are deleted by its next read)."""
         self._delete(to_delete(results, self._deletes_delivered))
 
+    def confirm_gone(self, ids: list[str]) -> list[str]:
+        """Of ``ids``, which a lookup found Redis knew nothing of (neither request nor
+        result), those gone: none while this client's lists or its reads' inboxes hold
+        anything (their results may be there, on their way); else all of them, and any
+        result of theirs that was on its way reached its waiter before (an inbox is
+        deleted once what it held was delivered): the caller sees it there."""
+        if not ids or not self._alone or not self._followed:
+            return ids
+        return [] if self._queue.replies_waiting(self._client_id, self._followed) else ids
+
     def _delete(self, ids: list[str]) -> None:
         try:
             if ids:
@@ -146,26 +169,53 @@ class ReplyListener:
     def _run(self, tag: str | None) -> None:
         backoff = Backoff()
         forget: list[str] = []  # delivered, deleted by the next read
+        parity = 0  # which inbox this read fills; the next deletes it
+        tags = self._followed if tag is None else (tag,)
         while not self._stop.is_set():
+            tags = self._followed if tag is None else tags
             try:
-                popped = self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
-                                                 self._followed if tag is None else (tag,),
-                                                 forget)
-                forget = to_delete(self.deliver_many(popped), self._deletes_delivered)
+                popped = self._queue.pop_replies(self._client_id, BLOCK_S, tags, forget,
+                                                 parity, self._alone)
+                parity = 1 - parity
+                reached = self.deliver_many(popped.results)
+                forget = to_delete(reached, self._deletes_delivered, popped.kept)
+                self._queue.keep_results(unreached(popped, reached))
                 backoff.reset()
             except READ_ERRORS as exc:  # Redis restarting: wait and carry on
                 forget = []  # (never retried: they expire after result_ttl anyway)
+                parity = 1 - parity if isinstance(exc, UnreadableRead) else parity
                 wait_s = backoff.next()
-                log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
+                log.warning("reply list read failed (%s)%s; retrying in %.1fs", exc,
+                            access_hint(exc), wait_s)
                 self._stop.wait(wait_s)
         self._delete(forget)
+        try:
+            self._queue.unmark_reader(self._client_id, tags, parity)
+        except READ_ERRORS as exc:  # the marks lapse within READER_LIVE_MS anyway
+            log.warning("lifting this reader's marks failed (%s)", exc)
 
 
-def to_delete(reached: Sequence[Result], deletes_delivered: Callable[[], bool] | None
-              ) -> list[str]:
+def access_hint(exc: Exception) -> str:
+    """What to do about a read Redis refused for want of rights: the producer's ACL."""
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (": grant the producer every key of docs/guides/least-privilege.md (its "
+                "reply lists, inboxes, bells and reader marks)")
+    return ""
+
+
+def unreached(popped: Popped, reached: Sequence[Result]) -> list[Result]:
+    """The results of a read pushed onto the list alone that reached nobody: to keep."""
+    got = {r.id for r in reached}
+    return [r for r in popped.results if r.id not in got and r.id not in popped.kept]
+
+
+def to_delete(reached: Sequence[Result], deletes_delivered: Callable[[], bool] | None,
+              kept: Container[str] | None = None) -> list[str]:
     """The ids of results that reached their waiters and are to be deleted: none when the
-    queue keeps delivered results, nor dead letters or cancelled ones (module docstring)."""
-    ids = [r.id for r in reached if r.status not in (DEAD, CANCELLED)]
+    queue keeps delivered results, nor dead letters or cancelled ones (module docstring),
+    nor those a read found on a list alone (not in ``kept``; None: all were kept)."""
+    ids = [r.id for r in reached if r.status not in (DEAD, CANCELLED)
+           and (kept is None or r.id in kept)]
     if not ids or deletes_delivered is None:
         return []
     try:
@@ -193,6 +243,7 @@ class AsyncReplyListener:
         self._followed: tuple[str, ...] = ()
         self._tasks: dict[str | None, asyncio.Task] = {}
         self._stopping = False
+        self._alone = deletes_delivered is not None  # as ReplyListener's
         queue.follow_routes(self._follow)
 
     def watch(self, request_id: str) -> asyncio.Future:
@@ -257,20 +308,36 @@ class AsyncReplyListener:
             for task in tasks:
                 task.cancel()
 
+    async def confirm_gone(self, ids: list[str]) -> list[str]:
+        """As ReplyListener.confirm_gone."""
+        if not ids or not self._alone or not self._followed:
+            return ids
+        return [] if await self._queue.replies_waiting(self._client_id, self._followed) else ids
+
     async def _run(self, tag: str | None) -> None:
         backoff = Backoff()
         forget: list[str] = []  # delivered, deleted by the next read
+        parity = 0  # as ReplyListener's
+        tags = self._followed if tag is None else (tag,)
         while not self._stopping:
+            tags = self._followed if tag is None else tags
             try:
-                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, DRAIN,
-                                                       self._followed if tag is None else (tag,),
-                                                       forget)
-                forget = to_delete([r for r in popped if self.deliver(r)],
-                                   self._deletes_delivered)
+                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, tags, forget,
+                                                       parity, self._alone)
+                parity = 1 - parity
+                reached = [r for r in popped.results if self.deliver(r)]
+                forget = to_delete(reached, self._deletes_delivered, popped.kept)
+                await self._queue.keep_results(unreached(popped, reached))
                 backoff.reset()
             except READ_ERRORS as exc:
                 forget = []  # as ReplyListener's
+                parity = 1 - parity if isinstance(exc, UnreadableRead) else parity
                 wait_s = backoff.next()
-                log.warning("reply list read failed (%s); retrying in %.1fs", exc, wait_s)
+                log.warning("reply list read failed (%s)%s; retrying in %.1fs", exc,
+                            access_hint(exc), wait_s)
                 await asyncio.sleep(wait_s)
         await self._delete(forget)
+        try:
+            await self._queue.unmark_reader(self._client_id, tags, parity)
+        except READ_ERRORS as exc:
+            log.warning("lifting this reader's marks failed (%s)", exc)

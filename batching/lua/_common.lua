@@ -132,7 +132,7 @@ local function fmt_int(x)
   return string.format('%d', x)
 end
 
--- How long enqueue and fail remember their reply under their call key (Keys.call): the
+-- How long enqueue, fail and complete remember their reply under their call key (Keys.call): the
 -- connection's retries after a lost reply give up within about 10 s.
 local CALL_MEMORY_S = 60
 
@@ -473,14 +473,43 @@ end
 -- garbage (the results stay readable under their own keys for the result TTL).
 local REPLY_TTL = 3600
 
--- Push results to their clients' reply lists: one RPUSH and one EXPIRE per client.
--- by_client: client id -> list of result JSON, in commit order.
-local function push_replies(reply_prefix, by_client, ttl)
+-- A reply list's entry is a result JSON; one led by KEPT (a space, which JSON reads past)
+-- is kept under its result key too, which its reader deletes once it delivered it where
+-- the queue deletes delivered results (an entry without it was pushed onto the list alone:
+-- complete.lua).
+local KEPT = ' '
+
+-- The keys of a client's reader beside its reply list (batching/keys.py): its mark
+-- ("1": it reads its list alone, "0": it reads it; absent: no reader) and its bell.
+local function reader_keys(reply_prefix, client)
+  local base = string.sub(reply_prefix, 1, -#'reply:' - 1)
+  return base .. 'reader:' .. client, base .. 'bell:' .. client
+end
+
+-- A client's reader mark ('1', '0'; false: none, or its keys not declared).
+local function reader_mark(reply_prefix, client)
+  local reader, bell = reader_keys(reply_prefix, client)
+  if not (DECLARED[reader] and DECLARED[bell]) then return false end
+  return rcall('GET', reader) or false
+end
+
+-- Push results to their clients' reply lists: one RPUSH and one EXPIRE per client, and
+-- a ring of its bell while its reader is there. by_client: client id -> list of entries
+-- (result JSON, KEPT or not), in commit order; marks: client -> its reader mark, where
+-- the caller read it.
+local function push_replies(reply_prefix, by_client, ttl, marks)
   for client, jsons in pairs(by_client) do
     local reply = reply_key(reply_prefix, client)
     if reply then
       call_chunked('RPUSH', reply, jsons)
       rcall('EXPIRE', reply, math.min(ttl, REPLY_TTL))
+      local mark = marks and marks[client]
+      if mark == nil then mark = reader_mark(reply_prefix, client) end
+      if mark then  -- (the reader deletes its bells as it reads: they hold a few rings)
+        local _, bell = reader_keys(reply_prefix, client)
+        rcall('RPUSH', bell, 1)
+        rcall('EXPIRE', bell, math.min(ttl, REPLY_TTL))
+      end
     end
   end
 end
@@ -488,7 +517,7 @@ end
 -- Store a result, and push it to the reply list of the client that waits for it.
 local function commit_result(result_prefix, reply_prefix, id, client, json, ttl)
   rcall('SET', result_key(result_prefix, id), json, 'EX', ttl)
-  if client then push_replies(reply_prefix, {[client] = {json}}, ttl) end
+  if client then push_replies(reply_prefix, {[client] = {KEPT .. json}}, ttl) end
 end
 
 -- Dead-letter a request: commit its dead result, kept max(result_ttl, dead_ttl), and

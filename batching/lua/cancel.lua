@@ -2,8 +2,9 @@
 -- K.pending  K.delayed  K.lease_expiry  K.requests
 -- K.sched    K.attempts K.settings K.depth  K.stats
 -- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
--- KEYS[FIXED+1..] the result key of each id, then its cancelled-lease key (Keys.cancelled),
---   then the reply list of each client among them
+-- KEYS[FIXED+1..] the cancelled-lease key of each id (Keys.cancelled), then its result
+--   key, then the reply list, reader mark and bell of each client among them (found by
+--   name: batching/calls.py cancel_call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] cancelled-lease key prefix
 -- ARGV[5..] pairs: id, the cancelled result JSON

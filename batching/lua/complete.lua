@@ -1,23 +1,37 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- K.requests  K.sched  K.attempts  K.lease_expiry  K.lease_ids
--- K.settings  K.stats  K.history
+-- K.settings  K.stats  K.history  K.call this call's reply, remembered (see Returns)
 -- KEYS[FIXED+1..] the result key of each id (in ARGV's order: the id is the key past the
---         prefix ARGV[1], sent once), then the reply list of each client among them
+--         prefix ARGV[1], sent once), then the reply list, reader mark and bell of each
+--         client among them (batching/calls.py declared_keys)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
--- ARGV[5..] runs of requests that share a lease token and a client: the token, the client
+-- ARGV[5] default delete_delivered (1 or 0)
+-- ARGV[6..] runs of requests that share a lease token and a client: the token, the client
 --         whose reply list gets their results ('' for none; the claim handed it to the
 --         worker with the request), their count k, then k result JSONs
 --         (batching/calls.py complete_call: one run for a batch of one claim and one client)
+-- A result goes to its client's reply list alone while that client's reader reads it
+-- alone (its mark is "1": batching/keys.py reader_prefix) and the queue deletes delivered
+-- results: the reader takes it within a read, and a key written to be deleted a moment
+-- later was a sixth of what a request cost Redis. Else it is kept under its key for
+-- result_ttl too, and pushed marked as kept there (KEPT: the reader deletes it once
+-- delivered). What a reader that stopped leaves on its list is kept under the keys then,
+-- by the reaper (drain.lua).
 -- Returns "c1..cN", one text of a digit a request (as enqueue's): 1 committed; 0 discarded
 --   because this claim no longer holds the lease (it expired and was taken over, or the
 --   request was cancelled).
--- A replay (the connection retried after the reply was lost) finds its own result
--- stored already: reported 1 again, and the totals are not added twice.
+-- A replay (the connection retried after the reply was lost) gets the first run's reply,
+-- remembered under K.call for 60 s (as enqueue's), and changes nothing: a result pushed
+-- onto a list alone has no key to find it by, and the totals are not added twice.
+local remembered = rcall('GET', K.call)
+if remembered then return remembered end
 local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
-local n, a, n_args = 0, 5, #ARGV
+local lists_alone = setting(K.settings, 'delete_delivered', tonumber(ARGV[5])) == 1
+local FIRST_RUN = 6
+local n, a, n_args = 0, FIRST_RUN, #ARGV
 while a <= n_args do
   local k = tonumber(ARGV[a + 2])
   n, a = n + k, a + 3 + k
@@ -28,7 +42,7 @@ if n == 0 then return '' end
 local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, true, 'complete')
 -- each lease token's ids among them
 local of_token, i = {}, 0
-a = 5
+a = FIRST_RUN
 while a <= n_args do
   local token, k = ARGV[a], tonumber(ARGV[a + 2])
   local mine = of_token[token] or {}
@@ -48,27 +62,40 @@ for token, mine in pairs(of_token) do
   else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
 
-local done, flags, replies, replayed = {}, {}, {}, false
+declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
+-- whether a client's results go to its reply list alone (its reader reads it alone)
+local marks = {}  -- client -> its reader mark, read once
+local function list_alone(client)
+  local mark = marks[client]
+  if mark == nil then
+    mark = reply_key(reply_prefix, client) ~= nil and reader_mark(reply_prefix, client)
+    marks[client] = mark
+  end
+  return lists_alone and mark == '1'
+end
+local done, flags, replies = {}, {}, {}
 local d = 0
-i, a = 0, 5
+i, a = 0, FIRST_RUN
 while a <= n_args do
   local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
   local jsons = client ~= '' and (replies[client] or {}) or nil
   if jsons then replies[client] = jsons end
+  local keyless = jsons and list_alone(client)
   local held = holds[token]
   a = a + 3
   for _ = 1, k do
     i = i + 1
     local json, key = ARGV[a], KEYS[FIXED + i]
     if held == true or held[ids[i]] then
-      rcall('SET', key, json, 'EX', ttl_s)
-      if jsons then jsons[#jsons + 1] = json end
+      if keyless then jsons[#jsons + 1] = json
+      else
+        rcall('SET', key, json, 'EX', ttl_s)
+        if jsons then jsons[#jsons + 1] = KEPT .. json end
+      end
       d = d + 1
       done[d] = ids[i]
       if held ~= true then gone[token][ids[i]] = true end
       flags[i] = '1'
-    elseif result_text(key) == json then
-      flags[i], replayed = '1', true
     else
       flags[i] = '0'
     end
@@ -78,8 +105,7 @@ end
 for client, jsons in pairs(replies) do  -- a client none of whose results counted: no push
   if #jsons == 0 then replies[client] = nil end
 end
-declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
-push_replies(reply_prefix, replies, ttl)
+push_replies(reply_prefix, replies, ttl, marks)
 if #done > 0 then forget(K, done, true) end
 -- the leases: one whose ids this call committed whole ends; any other lets go of the
 -- ones committed
@@ -87,9 +113,9 @@ for token, held in pairs(holds) do
   if held == true then lease_end(K, token)
   elseif next(gone[token]) then lease_drop(K, token, gone[token], read[token]) end
 end
-if not replayed then
-  for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
-    rcall('HINCRBY', K.stats, name, v)
-  end
+for name, v in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do
+  rcall('HINCRBY', K.stats, name, v)
 end
-return table.concat(flags)
+local reply = table.concat(flags)
+rcall('SET', K.call, reply, 'EX', CALL_MEMORY_S)
+return reply

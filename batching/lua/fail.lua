@@ -2,7 +2,8 @@
 -- K.requests  K.sched  K.attempts  K.lease_expiry
 -- K.delayed   K.dead   K.settings  K.depth   K.stats
 -- K.history   K.call  STRING this call's reply, remembered (see Returns)   K.lease_ids
--- KEYS[FIXED+1..] the result key of each id, then the reply list of each client among them
+-- KEYS[FIXED+1..] the result key of each id, then the reply list, reader mark and bell of each
+--   client among them (batching/calls.py declared_keys)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl
 -- ARGV[5] backoff base ms        ARGV[6] backoff cap ms   ARGV[7] default dead_ttl

@@ -4,8 +4,8 @@
 -- K.history  K.fair  K.fair_tenants  K.vtc  K.lease_ids
 -- K.leased  ZSET id -> expiry   K.owner  HASH id -> token: the per-request leases of
 --           versions before per-claim ones, taken back as before
--- KEYS[FIXED+1..] result keys and reply lists of requests a previous call returned as
---   `undeclared` (none on a first call)
+-- KEYS[FIXED+1..] result keys, reply lists, reader marks and bells of requests a previous
+--   call returned as `undeclared` (none on a first call)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix
 -- ARGV[3] default max_attempts   ARGV[4] default result_ttl   ARGV[5] most to reap now
 --         (a lapsed claim's lease is taken back whole), and most dead letters to forget

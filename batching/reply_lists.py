@@ -1,0 +1,109 @@
+"""A client's reads of its reply lists: one round trip each (``reply_read``) and what it
+read (``parse_reply_read``). Producers read with them (batching/shard_producer.py
+pop_replies, its asyncio twin) for producer/replies.py's readers; the workers' reaper
+keeps what a stopped reader left (batching/queue.py drain_readers, lua/drain.lua)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import redis
+
+from batchery.batching.keys import Keys
+from batchery.batching.messages import Result
+
+log = logging.getLogger(__name__)
+
+READER_LIVE_MS = 5_000  # a reader's mark lasts this long past each read (Keys.reader_prefix)
+
+
+class UnreadableRead(redis.exceptions.ResponseError):
+    """A reply list read that Redis ran and that read nothing it could (a list or an
+    inbox of another type): the reader's next read is of the other parity, whose DEL
+    lets go of it (it was never readable)."""
+
+
+@dataclass(frozen=True)
+class Popped:
+    """A read of reply lists: the results, in the order they were pushed on each list, and
+    the ids of those kept under their result keys too (pushed marked KEPT: _common.lua);
+    the others were pushed onto the list alone, and nowhere else holds them."""
+
+    results: list[Result]
+    kept: frozenset[str]
+
+
+def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, alone: bool,
+               block_s: float, forget: Sequence[str] = (), cluster: bool = False) -> int:
+    """A client's read of its reply lists on ``shards`` in one round trip, queued on
+    ``pipe`` (a pipeline, not a transaction; run it with raise_on_error=False):
+
+    - the DEL of ``forget``: result keys the last read delivered
+      (QueueSettings.delete_delivered); on a Cluster each key is its own DEL (routed by
+      its slot: a result read after the shard count changed may live in another slot);
+    - on each shard, the DEL of the last read's inbox (what it held was delivered), and
+      the reader's mark: its reader key ("1" when it reads ``alone``, a commit then pushing
+      results onto the list alone: lua/complete.lua) for READER_LIVE_MS, and the client in
+      the shard's readers set (where the reaper finds it once it lapsed);
+    - a BLPOP of up to ``block_s`` on the client's bells (a push while the reader is
+      marked rings them: lua/_common.lua push_replies);
+    - on each shard, the bell deleted (it holds the rings since the BLPOP, for what the
+      move below takes too), the reply list moved whole to this read's inbox (RENAMENX:
+      none when a read retried after its reply was lost left the inbox there, which it
+      then reads again) and the inbox read.
+
+    Nothing leaves Redis until the next read's DEL, sent after what this one read was
+    delivered: a reply lost on the way loses nothing, and a list not yet read or an inbox
+    not yet deleted holds any result on its way (ShardedQueue.replies_waiting). Returns
+    how many DELs lead the replies, for parse_reply_read."""
+    deletes = ([[key] for key in forget] if cluster else [list(forget)]) if forget else []
+    for keys in deletes:
+        pipe.execute_command("DEL", *keys)
+    for k in shards:
+        pipe.delete(k.inbox(client_id, 1 - parity))
+        pipe.set(k.reader(client_id), int(alone), px=READER_LIVE_MS)
+        pipe.sadd(k.readers, client_id)
+    bells = [k.bell(client_id) for k in shards]
+    pipe.blpop(bells, timeout=block_s)
+    for k in shards:
+        pipe.delete(k.bell(client_id))  # the rings since: what they rang for moves below
+        # (RENAMENX by name: redis-py refuses it in a Cluster pipeline, not Redis)
+        pipe.execute_command("RENAMENX", k.reply(client_id), k.inbox(client_id, parity))
+        pipe.lrange(k.inbox(client_id, parity), 0, -1)
+    return len(deletes)
+
+
+def parse_reply_read(replies: list[Any], deletes: int, shards: int) -> Popped:
+    """The results of a reply_read of ``shards`` lists whose first ``deletes`` replies are
+    its DELs. A DEL of results that failed is logged (they expire after result_ttl); a
+    refused DEL of an inbox or mark raises (a reader that cannot let go of what it read
+    would read it again, each time); any other part that failed raises unless a list was
+    read: then what was read is returned, not dropped, and the failure logged (it fails
+    again on the next read, and the next read's DEL takes the inbox, whatever it holds)."""
+    failed = [r for r in replies[:deletes] if isinstance(r, Exception)]
+    if failed:
+        log.warning("deleting delivered results failed (%s); they expire after their "
+                    "result_ttl", failed[0])
+    marks = deletes + 3 * shards
+    refused = next((r for r in replies[deletes:marks] if isinstance(r, Exception)), None)
+    if refused is not None:
+        raise refused
+    reads, raws = replies[marks + 1:], []
+    errors = [r for r in [replies[marks], *reads[0::3]] if isinstance(r, Exception)]
+    for moved, read in zip(reads[1::3], reads[2::3]):
+        if isinstance(moved, Exception) and "no such key" not in str(moved):
+            errors.append(moved)  # (no list to move: nothing was pushed since the last read)
+        if isinstance(read, Exception):
+            errors.append(read)
+        elif read:
+            raws += read
+    if errors and not raws:
+        raise UnreadableRead(str(errors[0])) from errors[0]
+    if errors:
+        log.warning("part of a reply list read failed (%s); what it read is delivered",
+                    errors[0])
+    kept = [raw for raw in raws if raw[:1] in (" ", b" ")]
+    return Popped(Result.from_json_many(raws),
+                  frozenset(r.id for r in Result.from_json_many(kept)) if kept else frozenset())

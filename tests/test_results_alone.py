@@ -1,0 +1,193 @@
+"""Results pushed onto a reply list alone (lua/complete.lua, producer/replies.py): while a
+client's reader reads its list and the queue deletes delivered results, a commit writes
+no result key, only the list; every other result is kept under its key too. What a
+reader that stopped leaves behind, the reaper keeps under the keys (lua/drain.lua); a
+result that reaches nobody, the reader keeps there; a result on its way is never taken
+for a lost request."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchery import Client, Result
+from batchery.batching.calls import complete_call
+from batchery.batching.reply_lists import READER_LIVE_MS, parse_reply_read, reply_read
+from batchery.batching.keys import Keys
+from batchery.batching.queue import RequestQueue
+from batchery.batching.request import Request
+from batchery.batching.settings import DEFAULTS
+from tests.conftest import examples, start_worker, stop_process, wait_for
+
+
+def enqueued(queue: RequestQueue, n: int, client: str) -> list:
+    """n requests of ``client``, claimed: what a worker holds to commit."""
+    tag = uuid.uuid4().hex[:6]
+    assert all(queue.enqueue([Request.validated(id=f"{tag}-{i}", input=i)
+                              for i in range(n)], client))
+    return queue.claim("w#" + tag, n, 10 ** 6, 0, n).batch
+
+
+def committed(queue: RequestQueue, claimed: list) -> list[bool]:
+    return queue.complete([(r.id, r.lease_token, Result(r.id, "ok", r.input).to_json())
+                           for r in claimed], {"requests": len(claimed)},
+                          [r.client for r in claimed])
+
+
+def read(queue: RequestQueue, client: str, parity: int, alone: bool = True) -> list[Result]:
+    """A read as the client's reader makes it (it marks the reader)."""
+    pipe = queue.client.pipeline(transaction=False)
+    deletes = reply_read(pipe, [queue.keys], client, parity, alone, 0.01)
+    return parse_reply_read(pipe.execute(raise_on_error=False), deletes, 1).results
+
+
+@settings(max_examples=examples(25), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mark=st.sampled_from([None, "0", "1"]), delete_delivered=st.booleans(),
+       client=st.sampled_from(["c1", ""]), n=st.integers(1, 5))
+def test_a_commit_skips_the_result_key_only_for_a_reader_reading_alone(
+        rconn: redis.Redis, mark: str | None, delete_delivered: bool, client: str,
+        n: int) -> None:
+    queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
+    queue.update_settings(delete_delivered=delete_delivered)
+    k = queue.keys
+    if mark is not None:
+        rconn.set(k.reader("c1"), mark, px=READER_LIVE_MS)
+    claimed = enqueued(queue, n, client)
+    assert committed(queue, claimed) == [True] * n
+    alone = client == "c1" and mark == "1" and delete_delivered
+    assert rconn.exists(*(k.result(r.id) for r in claimed)) == (0 if alone else n)
+    entries = rconn.lrange(k.reply("c1"), 0, -1)
+    if client:
+        assert [Result.from_json(e).id for e in entries] == [r.id for r in claimed]
+        assert all(e.startswith(" ") != alone for e in entries)  # KEPT: under its key too
+        assert rconn.llen(k.bell("c1")) == (1 if mark is not None else 0)  # rung while marked
+    else:
+        assert entries == []
+    assert rconn.exists(k.requests, k.sched) == 0  # forgotten either way
+
+
+def test_a_replayed_commit_gets_its_first_reply_and_adds_nothing(
+        rconn: redis.Redis, queue_name: str) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    rconn.set(queue.keys.reader("c1"), "1", px=READER_LIVE_MS)
+    claimed = enqueued(queue, 3, "c1")
+    call = complete_call(queue.keys, [(r.id, r.lease_token, Result(r.id, "ok", 1).to_json())
+                                      for r in claimed], {"requests": 3}, ["c1"] * 3)
+    assert queue.scripts.complete(call.keys, call.args) == "111"
+    # the connection retries after the reply was lost: no key to find the results by
+    assert queue.scripts.complete(call.keys, call.args) == "111"
+    assert queue.stats()["totals"]["requests"] == 3
+    assert rconn.llen(queue.keys.reply("c1")) == 3
+
+
+def test_the_reaper_keeps_under_their_keys_what_a_stopped_reader_left(
+        rconn: redis.Redis, queue_name: str) -> None:
+    queue = RequestQueue(rconn, queue_name)
+    k = queue.keys
+    assert read(queue, "c1", 0) == []  # marks the reader
+    first = enqueued(queue, 3, "c1")
+    committed(queue, first)
+    # a read whose results never reached their waiters (the process died): they stay in
+    # its inbox, since only the next read deletes it
+    assert [r.id for r in read(queue, "c1", 1)] == [r.id for r in first]
+    second = enqueued(queue, 2, "c1")
+    committed(queue, second)  # on the list, not read
+    assert rconn.exists(*(k.result(r.id) for r in first + second)) == 0
+    assert queue.drain_readers() == 0  # the reader's mark is live: nothing is touched
+    assert rconn.llen(k.reply("c1")) == 2
+
+    rconn.delete(k.reader("c1"))  # its mark lapses
+    third = enqueued(queue, 2, "c1")
+    committed(queue, third)  # pushed KEPT: under its key too
+    assert queue.drain_readers() == 5
+    for r in first + second + third:
+        assert queue.result(r.id).output == r.input
+        assert DEFAULTS.result_ttl - 5 <= rconn.ttl(k.result(r.id)) <= DEFAULTS.result_ttl
+    assert rconn.exists(k.reply("c1"), k.inbox("c1", 0), k.inbox("c1", 1), k.bell("c1")) == 0
+    assert not rconn.sismember(k.readers, "c1")
+
+
+def test_a_result_that_reaches_nobody_is_kept_under_its_key(
+        redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:echo",
+                          "--max-wait-ms", "0", log=tmp_path / "worker.log")
+    try:
+        with Client(redis_url, queue_name) as client:
+            kept = client.enqueue("dropped").id  # its handle is dropped at once
+            gc.collect()
+            assert client.enqueue("waited").result(timeout=30).output["echo"] == "waited"
+            found = wait_for(lambda: client.queue.result(kept), 30, message="the kept result")
+            assert found.output["echo"] == "dropped"
+            assert client.queue.result(kept) is not None  # stays: nobody delivered it
+    finally:
+        stop_process(worker)
+
+
+def test_a_result_on_its_way_is_not_taken_for_a_lost_request(
+        redis_url: str, queue_name: str) -> None:
+    with Client(redis_url, queue_name) as client:
+        client.enqueue("x")
+        client.replies.close()  # its reader stops: nothing moves what is pushed now
+        assert client.replies.confirm_gone(["gone"]) == ["gone"]
+        k = client.queue.first.keys
+        client.queue.client.rpush(k.reply(client.client_id), Result("y", "ok").to_json())
+        assert client.replies.confirm_gone(["y", "gone"]) == []  # either may be there
+        client.queue.client.rename(k.reply(client.client_id), k.inbox(client.client_id, 1))
+        assert client.replies.confirm_gone(["y"]) == []  # read, not yet delivered
+        client.queue.client.delete(k.inbox(client.client_id, 1))
+        assert client.replies.confirm_gone(["y"]) == ["y"]
+
+
+CHILD = """
+import sys, time
+from batchery import Client
+client = Client(sys.argv[1], sys.argv[2])
+handles = client.enqueue_many([{"input": i} for i in range(40)])
+print(client.client_id, " ".join(h.id for h in handles), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_client_killed_while_its_requests_run_has_every_result_kept_by_id(
+        redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    with Client(redis_url, queue_name) as reader:
+        reader.queue.update_settings(lease_seconds=3)  # the reaper's turn each second
+    worker = start_worker(redis_url, queue_name, "--runner", "tests.runners:gated",
+                          "--max-wait-ms", "0", log=tmp_path / "worker.log",
+                          BATCHERY_TEST_GATE=str(gate))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, redis_url, queue_name],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        dead, *ids = (child.stdout.readline() if child.stdout else "").split()
+        assert len(ids) == 40
+        k = Keys(queue_name)
+        with redis.Redis.from_url(redis_url, decode_responses=True) as conn:
+            wait_for(lambda: conn.get(k.reader(dead)) == "1", 10, message="its reader marked")
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        gate.unlink()  # the batches run while the dead client's mark still lasts
+        with Client(redis_url, queue_name) as other:
+            wait_for(lambda: all(isinstance(f, Result) for f in other.queue.lookup(ids)), 60,
+                     message="every result under its key")
+            assert [r.output for r in other.queue.lookup(ids)] == [f"ok:{i}" for i in range(40)]
+            assert dead not in other.queue.client.smembers(k.readers)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(30)
+        if child.stdout:
+            child.stdout.close()
+        stop_process(worker)
