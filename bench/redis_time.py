@@ -21,9 +21,9 @@ claim, renew, commit, result delivery, reap, the rest) in one run with it, each 
 in pipelined-ZADD equivalents: the CPU of one ``ZADD key score member`` sent 1,000 to a
 pipeline on the same server, the unit of the issue's floor (one hash write, one sorted-set
 add, one claim, one result write, one delivery: a few ZADDs). The unit is timed right
-before each run and each run counted in its own (the VM's speed drifts between runs by
-more than most changes move a run): the ZADDs are the runs' median, the microseconds the
-best run's.
+before and right after each run, and each run counted in the mean of the two (the VM's
+speed drifts between runs, and within one, by more than most changes move a run): the
+ZADDs are the runs' median, the microseconds the best run's.
 
 ``--producer-first``: each run enqueues its N requests first (500 a call, as ``Client.map``),
 then starts the worker and waits for the results. ``--exact``: the producer sends each
@@ -284,9 +284,10 @@ def defaults_run(n: int, repeat: int, exact: bool = False, producer_first: bool 
                 if producer_first:  # each run starts its own worker after its enqueues
                     common.stop([worker])
                 units, totals = [], []
-                for _ in range(repeat):  # the unit timed beside each run: the VM's speed drifts
-                    units.append(zadd_us(url))
+                for _ in range(repeat):  # the unit timed on each side of each run: the VM drifts
+                    before = zadd_us(url)
                     totals.append(end_to_end(url, client, n, False, exact, producer_first, text)["us"])
+                    units.append((before + zadd_us(url)) / 2)
                 split = end_to_end(url, client, n, True, exact, producer_first, text)["split"]
         finally:
             common.stop([worker])

@@ -80,9 +80,9 @@ def test_a_bell_wakes_a_read_and_a_failed_read_keeps_what_the_others_took(
     broken, good = shards[0], shards[1]
     rconn.set(broken.reply(CLIENT), "not a list")  # its move succeeds, its read fails
     rconn.rpush(good.reply(CLIENT), *(Result(f"g{i}", "ok", i).to_json() for i in range(3)))
-    rconn.rpush(good.bell(CLIENT), 1)
+    rconn.rpush(good.bell(CLIENT), 1, 1)  # rung by two pushes
     assert [r.id for r in read(rconn, shards, 0) or []] == ["g0", "g1", "g2"]
-    assert rconn.exists(good.bell(CLIENT)) == 0  # rung, and deleted by the read
+    assert rconn.exists(good.bell(CLIENT)) == 0  # both rings gone: the read took both pushes
     rconn.set(broken.reply(CLIENT), "not a list")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         read(rconn, shards, 1)  # nothing taken: the failure is the caller's to back off from

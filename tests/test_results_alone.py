@@ -25,6 +25,7 @@ from batchery.batching.reply_lists import READER_LIVE_MS, parse_reply_read, repl
 from batchery.batching.keys import Keys
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
+from batchery.producer.replies import to_delete, unreached
 from batchery.batching.settings import DEFAULTS
 from tests.conftest import examples, start_worker, stop_process, wait_for
 
@@ -115,6 +116,27 @@ def test_the_reaper_keeps_under_their_keys_what_a_stopped_reader_left(
         assert DEFAULTS.result_ttl - 5 <= rconn.ttl(k.result(r.id)) <= DEFAULTS.result_ttl
     assert rconn.exists(k.reply("c1"), k.inbox("c1", 0), k.inbox("c1", 1), k.bell("c1")) == 0
     assert not rconn.sismember(k.readers, "c1")
+
+
+def test_only_results_kept_under_their_keys_are_deleted_once_delivered(rconn: redis.Redis) -> None:
+    k = Keys(f"t-{uuid.uuid4().hex[:10]}")
+    entries = [Result("alone", "ok").to_json(), " " + Result("kept", "ok").to_json(),
+               " " + Result("dead", "dead").to_json()]
+    rconn.rpush(k.reply("c1"), *entries)
+    popped = parse_reply_read(_read(rconn, k), 0, 1)
+    assert [r.id for r in popped.results] == ["alone", "kept", "dead"]
+    assert popped.kept == {"kept", "dead"}
+    # of those delivered: the kept one is deleted, not the one pushed alone (it has no
+    # key), nor a dead letter (it stays for `queue dead list`)
+    assert to_delete(popped.results, lambda: True, popped.kept) == ["kept"]
+    assert to_delete(popped.results, lambda: False, popped.kept) == []
+    assert unreached(popped, popped.results[2:]) == popped.results[:1]
+
+
+def _read(conn: redis.Redis, k: Keys) -> list:
+    pipe = conn.pipeline(transaction=False)
+    reply_read(pipe, [k], "c1", 0, True, 0.01)
+    return pipe.execute(raise_on_error=False)
 
 
 def test_a_result_that_reaches_nobody_is_kept_under_its_key(
