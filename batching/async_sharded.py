@@ -137,22 +137,32 @@ class AsyncShardedQueue:
 
     async def pop_replies(self, client_id: str, block_s: float,
                           tags: Sequence[str] | None = None, forget: Sequence[str] = (),
-                          parity: int = 0, alone: bool = False) -> Popped:
+                          parity: int = 0, alone: bool = False, mark: bool = True) -> Popped:
         """As ShardedQueue.pop_replies."""
         shards = [self._shard_at(t).keys for t in tags or self.tags()]
         forgotten = [self.keys_for(i).result(i) for i in forget]
         pipe = self.client.pipeline(transaction=False)
         deletes = reply_read(pipe, shards, client_id, parity, alone, block_s, forgotten,
-                             self.cluster)
+                             self.cluster, mark)
         replies = await pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, deletes, len(shards))
+        return parse_reply_read(replies, deletes, len(shards), mark)
 
     async def replies_waiting(self, client_id: str, tags: Sequence[str]) -> bool:
         """As ShardedQueue.replies_waiting."""
         pipe = self.client.pipeline(transaction=False)
         for k in (self._shard_at(t).keys for t in tags):
             pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
-        return any(await pipe.execute())
+        for q in self.shards:
+            pipe.smembers(q.keys.readers)
+        found = await pipe.execute()
+        if any(found[:len(tags)]):
+            return True
+        listed = [(q.keys, c) for q, members in zip(self.shards, found[len(tags):])
+                  for c in members if c != client_id]
+        pipe = self.client.pipeline(transaction=False)
+        for k, client in listed:
+            pipe.exists(k.reader(client))
+        return bool(listed) and not all(await pipe.execute())
 
     async def unmark_reader(self, client_id: str, tags: Sequence[str], parity: int) -> None:
         """As ShardedQueue.unmark_reader."""

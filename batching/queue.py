@@ -6,6 +6,7 @@ readers it shares with its asyncio twin are batching/calls.py's.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -31,6 +32,19 @@ WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua tri
 # Counters one reaper turn looks at for dropping (lua/fold.lua): a page of a few ms, and
 # at a turn per lease / 3 more than a million new job ids a day add.
 COUNTERS_PAGE = 1000
+
+
+def entry_id(entry: str) -> str | None:
+    """The id of a reply-list entry pushed alone, as lua/drain.lua reads it (a JSON object
+    with a text id; an entry led by a space is kept under its key already): None for any
+    other entry."""
+    if entry[:1] in (" ", b" "):
+        return None
+    try:
+        found = json.loads(entry)
+    except ValueError:
+        return None
+    return found.get("id") if isinstance(found, dict) and isinstance(found.get("id"), str) else None
 
 
 class RequestQueue(QueueInspection):
@@ -310,8 +324,7 @@ class RequestQueue(QueueInspection):
             for key in (k.inbox(client, 0), k.inbox(client, 1), k.reply(client)):
                 pipe.lrange(key, 0, -1)
             entries = [e for found in pipe.execute() for e in found]
-            alone = [e for e in entries if e[:1] not in (" ", b" ")]
-            ids = [r.id for r in Result.from_json_many(alone)]
+            ids = [i for i in map(entry_id, entries) if i is not None]
             kept += max(0, int(self._run("drain", drain_call(k, client, ids))))
         return kept
 

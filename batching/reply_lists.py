@@ -1,28 +1,31 @@
-"""A client's reads of its reply lists: one round trip each (``reply_read``) and what it
-read (``parse_reply_read``). Producers read with them (batching/shard_producer.py
-pop_replies, its asyncio twin) for producer/replies.py's readers; the workers' reaper
-keeps what a stopped reader left (batching/queue.py drain_readers, lua/drain.lua)."""
+"""A client's reads of its reply lists: one round trip each (``reply_read``), what it
+read (``parse_reply_read``), and what a reader carries from one read to the next
+(``ReadState``: which results to delete, which to keep by id). Producers read with them
+(batching/shard_producer.py pop_replies, its asyncio twin) for producer/replies.py's
+readers; the workers' reaper keeps what a stopped reader left (batching/queue.py
+drain_readers, lua/drain.lua)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Container, Sequence
 
 import redis
 
 from batchery.batching.keys import Keys
-from batchery.batching.messages import Result
+from batchery.batching.messages import CANCELLED, DEAD, Result
 
 log = logging.getLogger(__name__)
 
 READER_LIVE_MS = 5_000  # a reader's mark lasts this long past each read (Keys.reader_prefix)
+MARK_EVERY_S = 1.0  # a reader renews its mark at most this often
 
 
 class UnreadableRead(redis.exceptions.ResponseError):
-    """A reply list read that Redis ran and that read nothing it could (a list or an
-    inbox of another type): the reader's next read is of the other parity, whose DEL
-    lets go of it (it was never readable)."""
+    """A reply list read that Redis ran and that read nothing it could, its inboxes of
+    another type than a list: the reader's next read is of the other parity, whose DEL
+    lets go of them (they were never readable)."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class Popped:
 
 
 def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, alone: bool,
-               block_s: float, forget: Sequence[str] = (), cluster: bool = False) -> int:
+               block_s: float, forget: Sequence[str] = (), cluster: bool = False,
+               mark: bool = True) -> int:
     """A client's read of its reply lists on ``shards`` in one round trip, queued on
     ``pipe`` (a pipeline, not a transaction; run it with raise_on_error=False):
 
@@ -44,9 +48,10 @@ def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, a
       (QueueSettings.delete_delivered); on a Cluster each key is its own DEL (routed by
       its slot: a result read after the shard count changed may live in another slot);
     - on each shard, the DEL of the last read's inbox (what it held was delivered), and
-      the reader's mark: its reader key ("1" when it reads ``alone``, a commit then pushing
-      results onto the list alone: lua/complete.lua) for READER_LIVE_MS, and the client in
-      the shard's readers set (where the reaper finds it once it lapsed);
+      with ``mark`` the reader's mark: its reader key ("1" when it reads ``alone``, a
+      commit then pushing results onto the list alone: lua/complete.lua) for
+      READER_LIVE_MS, and the client in the shard's readers set (where the reaper finds it
+      once it lapsed);
     - a BLPOP of up to ``block_s`` on the client's bells (a push while the reader is
       marked rings them: lua/_common.lua push_replies);
     - on each shard, the bell deleted (it holds the rings since the BLPOP, for what the
@@ -63,8 +68,9 @@ def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, a
         pipe.execute_command("DEL", *keys)
     for k in shards:
         pipe.delete(k.inbox(client_id, 1 - parity))
-        pipe.set(k.reader(client_id), int(alone), px=READER_LIVE_MS)
-        pipe.sadd(k.readers, client_id)
+        if mark:
+            pipe.set(k.reader(client_id), int(alone), px=READER_LIVE_MS)
+            pipe.sadd(k.readers, client_id)
     bells = [k.bell(client_id) for k in shards]
     pipe.blpop(bells, timeout=block_s)
     for k in shards:
@@ -75,18 +81,20 @@ def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, a
     return len(deletes)
 
 
-def parse_reply_read(replies: list[Any], deletes: int, shards: int) -> Popped:
+def parse_reply_read(replies: list[Any], deletes: int, shards: int,
+                     marked: bool = True) -> Popped:
     """The results of a reply_read of ``shards`` lists whose first ``deletes`` replies are
-    its DELs. A DEL of results that failed is logged (they expire after result_ttl); a
-    refused DEL of an inbox or mark raises (a reader that cannot let go of what it read
-    would read it again, each time); any other part that failed raises unless a list was
-    read: then what was read is returned, not dropped, and the failure logged (it fails
-    again on the next read, and the next read's DEL takes the inbox, whatever it holds)."""
+    its DELs (``marked``: it marked the reader). A DEL of results that failed is logged
+    (they expire after result_ttl); a refused DEL of an inbox or mark raises (a reader that
+    cannot let go of what it read would read it again, each time); any other part that
+    failed raises unless a list was read: then what was read is returned, not dropped, and
+    the failure logged. A read that read nothing because an inbox is no list raises
+    UnreadableRead (the next read, of the other parity, deletes it)."""
     failed = [r for r in replies[:deletes] if isinstance(r, Exception)]
     if failed:
         log.warning("deleting delivered results failed (%s); they expire after their "
                     "result_ttl", failed[0])
-    marks = deletes + 3 * shards
+    marks = deletes + (3 if marked else 1) * shards
     refused = next((r for r in replies[deletes:marks] if isinstance(r, Exception)), None)
     if refused is not None:
         raise refused
@@ -100,10 +108,94 @@ def parse_reply_read(replies: list[Any], deletes: int, shards: int) -> Popped:
         elif read:
             raws += read
     if errors and not raws:
-        raise UnreadableRead(str(errors[0])) from errors[0]
+        if all("WRONGTYPE" in str(e) for e in errors):
+            raise UnreadableRead(str(errors[0])) from errors[0]
+        raise errors[0]
     if errors:
         log.warning("part of a reply list read failed (%s); what it read is delivered",
                     errors[0])
     kept = [raw for raw in raws if raw[:1] in (" ", b" ")]
     return Popped(Result.from_json_many(raws),
                   frozenset(r.id for r in Result.from_json_many(kept)) if kept else frozenset())
+
+
+def unreached(popped: Popped, reached: Sequence[Result]) -> list[Result]:
+    """The results of a read pushed onto the list alone that reached nobody: to keep."""
+    got = {r.id for r in reached}
+    return [r for r in popped.results if r.id not in got and r.id not in popped.kept]
+
+
+def to_delete(reached: Sequence[Result], deletes_delivered: Callable[[], bool] | None,
+              kept: Container[str] | None = None) -> list[str]:
+    """The ids of results that reached their waiters and are to be deleted: none when the
+    queue keeps delivered results, nor dead letters or cancelled ones (they stay: for
+    `queue dead list`, for a generation's text attached after its cancel), nor those a
+    read found on a list alone (not in ``kept``; None: all were kept)."""
+    ids = [r.id for r in reached if r.status not in (DEAD, CANCELLED)
+           and (kept is None or r.id in kept)]
+    if not ids or deletes_delivered is None:
+        return []
+    try:
+        return ids if deletes_delivered() else []
+    except redis.RedisError as exc:  # the settings unreadable: kept, expiring after result_ttl
+        not_deleted(ids, exc)
+        return []
+
+
+def not_deleted(ids: Sequence[str], exc: Exception) -> None:
+    if ids:  # they expire after result_ttl anyway
+        log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one read sends (reply_lists.reply_read)."""
+
+    forget: list[str]
+    parity: int
+    alone: bool
+    mark: bool
+
+
+class ReadState:
+    """What a reader carries from one read to the next.
+
+    The next read deletes the inbox this one filled, so the results kept by id
+    (``keep``: those that reached nobody) are stored before it. A reader marks itself
+    reading alone only once a read of its went through (one refused for want of rights
+    would strand what commits push alone), and renews its mark every MARK_EVERY_S, not
+    at each read. Once its mark may have lapsed (a stall), the reaper may have stored the
+    last read's results under their keys (lua/drain.lua): the next read deletes those."""
+
+    def __init__(self, alone: bool) -> None:
+        self.alone = alone
+        self.parity = 0
+        self.forget: list[str] = []  # result keys to delete with the next read
+        self.keep: list[Result] = []  # results to store by id before the next read
+        self.delivered: list[str] = []  # the last read's results pushed alone, delivered
+        self.read_ok = False
+        self.marked: tuple[float, bool] | None = None  # when, and reading alone or not
+
+    def next_read(self, now: float) -> Read:
+        if self.marked and now - self.marked[0] > READER_LIVE_MS / 1000 - MARK_EVERY_S:
+            self.forget, self.delivered, self.marked = self.forget + self.delivered, [], None
+        alone = self.alone and self.read_ok
+        mark = (self.marked is None or now - self.marked[0] >= MARK_EVERY_S
+                or self.marked[1] != alone)
+        if mark:
+            self.marked = (now, alone)
+        return Read(self.forget, self.parity, alone, mark)
+
+    def done(self, read: Read, popped: Popped, reached: Sequence[Result],
+             deletes_delivered: Callable[[], bool] | None) -> None:
+        self.parity, self.read_ok = 1 - read.parity, True
+        self.forget = to_delete(reached, deletes_delivered, popped.kept)
+        self.keep = unreached(popped, reached)
+        self.delivered = [r.id for r in reached if r.id not in popped.kept]
+
+    def failed(self, exc: Exception) -> None:
+        """A read (or the keeping before it) failed: its parity stays (its inbox may hold
+        what it moved), unless Redis ran it and it could read nothing (UnreadableRead)."""
+        self.forget, self.read_ok, self.marked = [], False, None
+        if isinstance(exc, UnreadableRead):
+            self.parity = 1 - self.parity

@@ -127,28 +127,42 @@ class ProducerCalls(ShardLayout):
         return self.shard(request_id).keys
 
     def pop_replies(self, client_id: str, block_s: float, tags: Sequence[str] | None = None,
-                    forget: Sequence[str] = (), parity: int = 0, alone: bool = False) -> Popped:
+                    forget: Sequence[str] = (), parity: int = 0, alone: bool = False,
+                    mark: bool = True) -> Popped:
         """Results pushed onto this client's reply lists on the shards ``tags`` (None:
         every shard), in one round trip that first deletes the results of ``forget`` (ids
         the last read delivered) and what the last read (of the other ``parity``) took,
-        and marks the reader there (reading ``alone``): reply_lists.reply_read. The tags must
+        and with ``mark`` marks the reader there (reading ``alone``):
+        reply_lists.reply_read. The tags must
         share a node (a single Redis) or be one (a Cluster: one reader per shard, whose
         results are its own)."""
         shards = [self._shard_at(t).keys for t in tags or self.tags()]
         pipe = self.client.pipeline(transaction=False)
         forgotten = [self.keys_for(i).result(i) for i in forget]
         deletes = reply_read(pipe, shards, client_id, parity, alone, block_s, forgotten,
-                             self.cluster)
+                             self.cluster, mark)
         replies = pipe.execute(raise_on_error=False)
-        return parse_reply_read(replies, deletes, len(shards))
+        return parse_reply_read(replies, deletes, len(shards), mark)
 
     def replies_waiting(self, client_id: str, tags: Sequence[str]) -> bool:
-        """Whether this client's reply lists or its reads' inboxes on the shards ``tags``
-        hold anything: results on their way to its waiters (reply_lists.reply_read)."""
+        """Whether results may be on their way: this client's reply lists or its reads'
+        inboxes on the shards ``tags`` hold anything, or a reader that stopped (its mark
+        lapsed) is listed still, on any shard: what it left, the reaper has yet to keep
+        under the result keys (RequestQueue.drain_readers)."""
         pipe = self.client.pipeline(transaction=False)
         for k in (self._shard_at(t).keys for t in tags):
             pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
-        return any(pipe.execute())
+        for q in self.shards:
+            pipe.smembers(q.keys.readers)
+        found = pipe.execute()
+        if any(found[:len(tags)]):
+            return True
+        listed = [(q.keys, c) for q, members in zip(self.shards, found[len(tags):])
+                  for c in members if c != client_id]
+        pipe = self.client.pipeline(transaction=False)
+        for k, client in listed:
+            pipe.exists(k.reader(client))
+        return bool(listed) and not all(pipe.execute())
 
     def unmark_reader(self, client_id: str, tags: Sequence[str], parity: int) -> None:
         """A reader that stops: the last read's inbox deleted (delivered), its marks lifted
@@ -162,3 +176,4 @@ class ProducerCalls(ShardLayout):
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
         return [i for q in self.shards for i in q.active_ids(match, count)]
+

@@ -30,21 +30,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Container, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import redis
 
 from batchery import tracing
 from batchery.batching.async_sharded import AsyncShardedQueue
-from batchery.batching.reply_lists import Popped, UnreadableRead
-from batchery.batching.messages import CANCELLED, DEAD, Result
+from batchery.batching.reply_lists import ReadState, not_deleted, to_delete
+from batchery.batching.messages import Result
 from batchery.batching.sharded import ShardedQueue
 from batchery.connection import Backoff
 
 log = logging.getLogger(__name__)
-BLOCK_S = 0.5      # how long one blocking pop waits; bounds how long close() takes
+BLOCK_S = 0.5      # how long one blocking read waits; bounds how long close() takes
 # what a read may raise and its reader outlives: Redis' errors, and redis-py's refusals of
 # a Cluster command (not a RedisError)
 READ_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
@@ -159,7 +160,7 @@ class ReplyListener:
             if ids:
                 self._queue.forget_results(ids)
         except redis.RedisError as exc:
-            _not_deleted(ids, exc)
+            not_deleted(ids, exc)
 
     def close(self) -> None:
         self._stop.set()
@@ -167,67 +168,41 @@ class ReplyListener:
             reader.join(timeout=BLOCK_S * 4)
 
     def _run(self, tag: str | None) -> None:
-        backoff = Backoff()
-        forget: list[str] = []  # delivered, deleted by the next read
-        parity = 0  # which inbox this read fills; the next deletes it
+        backoff, state = Backoff(), ReadState(self._alone)
         tags = self._followed if tag is None else (tag,)
         while not self._stop.is_set():
             tags = self._followed if tag is None else tags
             try:
-                popped = self._queue.pop_replies(self._client_id, BLOCK_S, tags, forget,
-                                                 parity, self._alone)
-                parity = 1 - parity
-                reached = self.deliver_many(popped.results)
-                forget = to_delete(reached, self._deletes_delivered, popped.kept)
-                self._queue.keep_results(unreached(popped, reached))
+                if state.keep:  # before the next read, which lets go of their inbox
+                    self._queue.keep_results(state.keep)
+                    state.keep = []
+                read = state.next_read(time.monotonic())
+                popped = self._queue.pop_replies(self._client_id, BLOCK_S, tags, read.forget,
+                                                 read.parity, read.alone, read.mark)
+                state.done(read, popped, self.deliver_many(popped.results), self._deletes_delivered)
                 backoff.reset()
             except READ_ERRORS as exc:  # Redis restarting: wait and carry on
-                forget = []  # (never retried: they expire after result_ttl anyway)
-                parity = 1 - parity if isinstance(exc, UnreadableRead) else parity
+                state.failed(exc)
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s)%s; retrying in %.1fs", exc,
                             access_hint(exc), wait_s)
                 self._stop.wait(wait_s)
-        self._delete(forget)
         try:
-            self._queue.unmark_reader(self._client_id, tags, parity)
-        except READ_ERRORS as exc:  # the marks lapse within READER_LIVE_MS anyway
-            log.warning("lifting this reader's marks failed (%s)", exc)
+            if state.keep:
+                self._queue.keep_results(state.keep)
+            self._delete(state.forget)
+            self._queue.unmark_reader(self._client_id, tags, state.parity)
+        except READ_ERRORS as exc:  # the mark lapses; the reaper keeps what the inbox holds
+            log.warning("stopping this reader cleanly failed (%s)", exc)
 
 
 def access_hint(exc: Exception) -> str:
     """What to do about a read Redis refused for want of rights: the producer's ACL."""
-    if isinstance(exc, redis.exceptions.NoPermissionError):
+    if isinstance(exc, redis.exceptions.NoPermissionError) or isinstance(
+            exc.__cause__, redis.exceptions.NoPermissionError):
         return (": grant the producer every key of docs/guides/least-privilege.md (its "
                 "reply lists, inboxes, bells and reader marks)")
     return ""
-
-
-def unreached(popped: Popped, reached: Sequence[Result]) -> list[Result]:
-    """The results of a read pushed onto the list alone that reached nobody: to keep."""
-    got = {r.id for r in reached}
-    return [r for r in popped.results if r.id not in got and r.id not in popped.kept]
-
-
-def to_delete(reached: Sequence[Result], deletes_delivered: Callable[[], bool] | None,
-              kept: Container[str] | None = None) -> list[str]:
-    """The ids of results that reached their waiters and are to be deleted: none when the
-    queue keeps delivered results, nor dead letters or cancelled ones (module docstring),
-    nor those a read found on a list alone (not in ``kept``; None: all were kept)."""
-    ids = [r.id for r in reached if r.status not in (DEAD, CANCELLED)
-           and (kept is None or r.id in kept)]
-    if not ids or deletes_delivered is None:
-        return []
-    try:
-        return ids if deletes_delivered() else []
-    except redis.RedisError as exc:  # the settings unreadable: kept, expiring after result_ttl
-        _not_deleted(ids, exc)
-        return []
-
-
-def _not_deleted(ids: Sequence[str], exc: Exception) -> None:
-    if ids:  # they expire after result_ttl anyway
-        log.warning("deleting %d delivered result(s) failed (%s)", len(ids), exc)
 
 
 class AsyncReplyListener:
@@ -292,7 +267,7 @@ class AsyncReplyListener:
             if ids:
                 await self._queue.forget_results(ids)
         except redis.RedisError as exc:
-            _not_deleted(ids, exc)
+            not_deleted(ids, exc)
 
     async def close(self) -> None:
         """Stop after the current blocking pop (at most BLOCK_S) rather than cancel it:
@@ -315,29 +290,31 @@ class AsyncReplyListener:
         return [] if await self._queue.replies_waiting(self._client_id, self._followed) else ids
 
     async def _run(self, tag: str | None) -> None:
-        backoff = Backoff()
-        forget: list[str] = []  # delivered, deleted by the next read
-        parity = 0  # as ReplyListener's
+        backoff, state = Backoff(), ReadState(self._alone)
         tags = self._followed if tag is None else (tag,)
         while not self._stopping:
             tags = self._followed if tag is None else tags
             try:
-                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, tags, forget,
-                                                       parity, self._alone)
-                parity = 1 - parity
-                reached = [r for r in popped.results if self.deliver(r)]
-                forget = to_delete(reached, self._deletes_delivered, popped.kept)
-                await self._queue.keep_results(unreached(popped, reached))
+                if state.keep:  # as ReplyListener's
+                    await self._queue.keep_results(state.keep)
+                    state.keep = []
+                read = state.next_read(time.monotonic())
+                popped = await self._queue.pop_replies(self._client_id, BLOCK_S, tags,
+                                                       read.forget, read.parity, read.alone,
+                                                       read.mark)
+                state.done(read, popped, [r for r in popped.results if self.deliver(r)],
+                           self._deletes_delivered)
                 backoff.reset()
             except READ_ERRORS as exc:
-                forget = []  # as ReplyListener's
-                parity = 1 - parity if isinstance(exc, UnreadableRead) else parity
+                state.failed(exc)
                 wait_s = backoff.next()
                 log.warning("reply list read failed (%s)%s; retrying in %.1fs", exc,
                             access_hint(exc), wait_s)
                 await asyncio.sleep(wait_s)
-        await self._delete(forget)
         try:
-            await self._queue.unmark_reader(self._client_id, tags, parity)
+            if state.keep:
+                await self._queue.keep_results(state.keep)
+            await self._delete(state.forget)
+            await self._queue.unmark_reader(self._client_id, tags, state.parity)
         except READ_ERRORS as exc:
-            log.warning("lifting this reader's marks failed (%s)", exc)
+            log.warning("stopping this reader cleanly failed (%s)", exc)

@@ -83,6 +83,10 @@ def test_a_bell_wakes_a_read_and_a_failed_read_keeps_what_the_others_took(
     rconn.rpush(good.bell(CLIENT), 1, 1)  # rung by two pushes
     assert [r.id for r in read(rconn, shards, 0) or []] == ["g0", "g1", "g2"]
     assert rconn.exists(good.bell(CLIENT)) == 0  # both rings gone: the read took both pushes
+    # a result kept under its key too is deleted by the read after its delivery
+    rconn.set(good.result("g0"), "delivered")
+    read(rconn, shards, 1, (good.result("g0"),))
+    assert rconn.exists(good.result("g0")) == 0
     rconn.set(broken.reply(CLIENT), "not a list")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         read(rconn, shards, 1)  # nothing taken: the failure is the caller's to back off from

@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchery import Client, Result
-from batchery.batching.calls import complete_call
-from batchery.batching.reply_lists import READER_LIVE_MS, parse_reply_read, reply_read
+from batchery.batching.calls import complete_call, drain_call
 from batchery.batching.keys import Keys
 from batchery.batching.queue import RequestQueue
+from batchery.batching.reply_lists import (READER_LIVE_MS, Popped, ReadState, UnreadableRead,
+                                           parse_reply_read, reply_read, to_delete,
+                                           unreached)
 from batchery.batching.request import Request
-from batchery.producer.replies import to_delete, unreached
 from batchery.batching.settings import DEFAULTS
 from tests.conftest import examples, start_worker, stop_process, wait_for
 
@@ -105,7 +106,9 @@ def test_the_reaper_keeps_under_their_keys_what_a_stopped_reader_left(
     committed(queue, second)  # on the list, not read
     assert rconn.exists(*(k.result(r.id) for r in first + second)) == 0
     assert queue.drain_readers() == 0  # the reader's mark is live: nothing is touched
-    assert rconn.llen(k.reply("c1")) == 2
+    # nor by the script, the reader back between the reaper's look and its call
+    assert queue.scripts.drain(*drain_args(queue, [r.id for r in first + second])) == 0
+    assert rconn.llen(k.reply("c1")) == 2 and rconn.llen(k.inbox("c1", 1)) == 3
 
     rconn.delete(k.reader("c1"))  # its mark lapses
     third = enqueued(queue, 2, "c1")
@@ -133,10 +136,42 @@ def test_only_results_kept_under_their_keys_are_deleted_once_delivered(rconn: re
     assert unreached(popped, popped.results[2:]) == popped.results[:1]
 
 
+def test_a_reader_keeps_what_reached_nobody_before_letting_go_and_reads_alone_once_it_read(
+        ) -> None:
+    state = ReadState(alone=True)
+    first = state.next_read(0.0)
+    assert (first.parity, first.alone, first.mark) == (0, False, True)  # not until a read
+    nobody, waited, kept = Result("a", "ok"), Result("b", "ok"), Result("c", "ok")
+    popped = Popped([nobody, waited, kept], frozenset({"c"}))
+    state.done(first, popped, [waited, kept], lambda: True)
+    assert (state.keep, state.forget, state.parity) == ([nobody], ["c"], 1)
+    state.failed(redis.ConnectionError("lost"))  # storing them failed: kept for next time
+    assert (state.keep, state.parity) == ([nobody], 1)
+    retry = state.next_read(0.5)
+    assert (retry.parity, retry.alone, retry.mark) == (1, False, True)
+    state.keep = []
+    state.done(retry, Popped([waited], frozenset()), [waited], lambda: True)
+    alone = state.next_read(0.7)  # a read went through: marked reading alone at once
+    assert (alone.parity, alone.alone, alone.mark) == (0, True, True)
+    state.done(alone, Popped([], frozenset()), [], lambda: True)
+    assert not state.next_read(1.2).mark  # renewed once a second, not at each read
+    state.done(state.next_read(1.3), Popped([waited], frozenset()), [waited], lambda: True)
+    # a stall past the mark's life: the reaper may have kept the last read's results
+    stalled = state.next_read(9.0)
+    assert "b" in stalled.forget
+    state.failed(UnreadableRead("WRONGTYPE"))  # read, and nothing readable: let go of it
+    assert state.parity == 1 - stalled.parity
+
+
 def _read(conn: redis.Redis, k: Keys) -> list:
     pipe = conn.pipeline(transaction=False)
     reply_read(pipe, [k], "c1", 0, True, 0.01)
     return pipe.execute(raise_on_error=False)
+
+
+def drain_args(queue: RequestQueue, ids: list[str]) -> tuple[list[str], list]:
+    call = drain_call(queue.keys, "c1", ids)
+    return call.keys, call.args
 
 
 def test_a_result_that_reaches_nobody_is_kept_under_its_key(
@@ -167,6 +202,12 @@ def test_a_result_on_its_way_is_not_taken_for_a_lost_request(
         client.queue.client.rename(k.reply(client.client_id), k.inbox(client.client_id, 1))
         assert client.replies.confirm_gone(["y"]) == []  # read, not yet delivered
         client.queue.client.delete(k.inbox(client.client_id, 1))
+        assert client.replies.confirm_gone(["y"]) == ["y"]
+        # another client's reader stopped, what it left not yet kept by the reaper: a
+        # request of its (a handle made by id) may have its result there
+        client.queue.client.sadd(k.readers, "stopped")
+        assert client.replies.confirm_gone(["y"]) == []
+        client.queue.client.set(k.reader("stopped"), "1")  # it reads: what it has is its own
         assert client.replies.confirm_gone(["y"]) == ["y"]
 
 
