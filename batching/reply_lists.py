@@ -174,16 +174,19 @@ class ReadState:
         self.keep: list[Result] = []  # results to store by id before the next read
         self.delivered: list[str] = []  # the last read's results pushed alone, delivered
         self.read_ok = False
-        self.marked: tuple[float, bool] | None = None  # when, and reading alone or not
+        self.marked_at: float | None = None  # when the last mark was sent
+        self.marked_alone = False  # ... and whether it said the reader reads alone
+        self.remark = True  # mark with the next read, whenever the last was sent
 
     def next_read(self, now: float) -> Read:
-        if self.marked and now - self.marked[0] > READER_LIVE_MS / 1000 - MARK_EVERY_S:
-            self.forget, self.delivered, self.marked = self.forget + self.delivered, [], None
+        lapsed = READER_LIVE_MS / 1000 - MARK_EVERY_S  # a mark this old may have lapsed
+        if self.marked_at is not None and now - self.marked_at > lapsed:
+            self.forget, self.delivered, self.remark = self.forget + self.delivered, [], True
         alone = self.alone and self.read_ok
-        mark = (self.marked is None or now - self.marked[0] >= MARK_EVERY_S
-                or self.marked[1] != alone)
+        mark = (self.remark or self.marked_at is None or now - self.marked_at >= MARK_EVERY_S
+                or self.marked_alone != alone)
         if mark:
-            self.marked = (now, alone)
+            self.marked_at, self.marked_alone, self.remark = now, alone, False
         return Read(self.forget, self.parity, alone, mark)
 
     def done(self, read: Read, popped: Popped, reached: Sequence[Result],
@@ -196,6 +199,6 @@ class ReadState:
     def failed(self, exc: Exception) -> None:
         """A read (or the keeping before it) failed: its parity stays (its inbox may hold
         what it moved), unless Redis ran it and it could read nothing (UnreadableRead)."""
-        self.forget, self.read_ok, self.marked = [], False, None
+        self.forget, self.read_ok, self.remark = [], False, True
         if isinstance(exc, UnreadableRead):
             self.parity = 1 - self.parity

@@ -144,19 +144,20 @@ class ProducerCalls(ShardLayout):
         replies = pipe.execute(raise_on_error=False)
         return parse_reply_read(replies, deletes, len(shards), mark)
 
-    def replies_waiting(self, client_id: str, tags: Sequence[str]) -> bool:
+    def replies_waiting(self, client_id: str, tags: Sequence[str], others: bool = False) -> bool:
         """Whether results may be on their way: this client's reply lists or its reads'
-        inboxes on the shards ``tags`` hold anything, or a reader that stopped (its mark
-        lapsed) is listed still, on any shard: what it left, the reaper has yet to keep
-        under the result keys (RequestQueue.drain_readers)."""
+        inboxes on the shards ``tags`` hold anything; with ``others`` (results of other
+        clients' requests), or a reader that stopped (its mark lapsed) is listed still, on
+        any shard: what it left, the reaper has yet to keep under the result keys
+        (RequestQueue.drain_readers)."""
         pipe = self.client.pipeline(transaction=False)
         for k in (self._shard_at(t).keys for t in tags):
             pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
-        for q in self.shards:
+        for q in self.shards if others else ():
             pipe.smembers(q.keys.readers)
         found = pipe.execute()
-        if any(found[:len(tags)]):
-            return True
+        if any(found[:len(tags)]) or not others:
+            return any(found[:len(tags)])
         listed = [(q.keys, c) for q, members in zip(self.shards, found[len(tags):])
                   for c in members if c != client_id]
         pipe = self.client.pipeline(transaction=False)

@@ -74,10 +74,12 @@ def is_cancelled(outcome: Cancelled, future: Any) -> bool:
 class Handle:
     """A request that was accepted; wait for its result or cancel it."""
 
-    def __init__(self, client: "Client", request_id: str, future: Future) -> None:
+    def __init__(self, client: "Client", request_id: str, future: Future,
+                 own: bool = True) -> None:
         self.id = request_id
         self._client = client
         self._future = future
+        self._own = own  # enqueued by this client (not a handle made by id)
 
     def result(self, timeout: float | None = None) -> Result:
         """The request's result; raises ResultTimeout (a TimeoutError) after ``timeout`` s,
@@ -94,7 +96,7 @@ class Handle:
                     if self._client.replies.deliver(found):
                         self._client.replies.delivered([found])
                     return found
-                if not found and self._client.replies.confirm_gone([self.id]):
+                if not found and self._client.replies.confirm_gone([self.id], not self._own):
                     if self._future.done():  # its reply was delivered as we looked
                         return self._future.result()
                     raise lost(self.id)
@@ -258,7 +260,7 @@ class Client:
 
     def handle(self, request_id: str) -> Handle:
         """A handle for a request enqueued earlier (by this or another client)."""
-        return Handle(self, request_id, self.replies.watch(request_id))
+        return Handle(self, request_id, self.replies.watch(request_id), own=False)
 
     def get(self, request_id: str) -> Result | None:
         """The committed result, or None while it is queued or running (or unknown)."""

@@ -145,15 +145,18 @@ class ReplyListener:
         delivered (a reader's own are deleted by its next read)."""
         self._delete(to_delete(results, self._deletes_delivered))
 
-    def confirm_gone(self, ids: list[str]) -> list[str]:
+    def confirm_gone(self, ids: list[str], others: bool = False) -> list[str]:
         """Of ``ids``, which a lookup found Redis knew nothing of (neither request nor
         result), those gone: none while this client's lists or its reads' inboxes hold
         anything (their results may be there, on their way); else all of them, and any
         result of theirs that was on its way reached its waiter before (an inbox is
-        deleted once what it held was delivered): the caller sees it there."""
-        if not ids or not self._alone or not self._followed:
+        deleted once what it held was delivered): the caller sees it there. ``others``:
+        the ids may be other clients' (a handle made by id), whose results a stopped
+        reader may hold until the reaper keeps them: none while one is listed."""
+        if not ids or not others and (not self._alone or not self._followed):
             return ids
-        return [] if self._queue.replies_waiting(self._client_id, self._followed) else ids
+        waiting = self._queue.replies_waiting(self._client_id, self._followed, others)
+        return [] if waiting else ids
 
     def _delete(self, ids: list[str]) -> None:
         try:

@@ -206,9 +206,13 @@ def test_a_result_on_its_way_is_not_taken_for_a_lost_request(
         # another client's reader stopped, what it left not yet kept by the reaper: a
         # request of its (a handle made by id) may have its result there
         client.queue.client.sadd(k.readers, "stopped")
-        assert client.replies.confirm_gone(["y"]) == []
+        assert client.replies.confirm_gone(["y"], others=True) == []
+        assert client.replies.confirm_gone(["y"]) == ["y"]  # its own: on its lists, or gone
         client.queue.client.set(k.reader("stopped"), "1")  # it reads: what it has is its own
-        assert client.replies.confirm_gone(["y"]) == ["y"]
+        assert client.replies.confirm_gone(["y"], others=True) == ["y"]
+    with Client(redis_url, queue_name) as fresh:  # it never enqueued: a handle made by id
+        fresh.queue.client.delete(k.reader("stopped"))
+        assert fresh.replies.confirm_gone(["y"], others=True) == []
 
 
 CHILD = """
