@@ -6,7 +6,6 @@ readers it shares with its asyncio twin are batching/calls.py's.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -23,6 +22,7 @@ from batchery.batching.claim_call import ClaimReply, claim_call, claim_payload_i
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
+from batchery.batching.reply_lists import entry_id
 from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import QueueSettings
@@ -32,19 +32,6 @@ WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua tri
 # Counters one reaper turn looks at for dropping (lua/fold.lua): a page of a few ms, and
 # at a turn per lease / 3 more than a million new job ids a day add.
 COUNTERS_PAGE = 1000
-
-
-def entry_id(entry: str) -> str | None:
-    """The id of a reply-list entry pushed alone, as lua/drain.lua reads it (a JSON object
-    with a text id; an entry led by a space is kept under its key already): None for any
-    other entry."""
-    if entry[:1] in (" ", b" "):
-        return None
-    try:
-        found = json.loads(entry)
-    except ValueError:
-        return None
-    return found.get("id") if isinstance(found, dict) and isinstance(found.get("id"), str) else None
 
 
 class RequestQueue(QueueInspection):

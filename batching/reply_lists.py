@@ -7,6 +7,7 @@ drain_readers, lua/drain.lua)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Sequence
@@ -114,9 +115,28 @@ def parse_reply_read(replies: list[Any], deletes: int, shards: int,
     if errors:
         log.warning("part of a reply list read failed (%s); what it read is delivered",
                     errors[0])
-    kept = [raw for raw in raws if raw[:1] in (" ", b" ")]
+    kept = [raw for raw in raws if is_kept(raw)]
     return Popped(Result.from_json_many(raws),
                   frozenset(r.id for r in Result.from_json_many(kept)) if kept else frozenset())
+
+
+def is_kept(entry: str | bytes) -> bool:
+    """Whether a reply-list entry is kept under its result key too: led by KEPT, a space
+    (lua/_common.lua), where one pushed onto the list alone starts its JSON."""
+    return entry[:1] in (" ", b" ")
+
+
+def entry_id(entry: str) -> str | None:
+    """The id of a reply-list entry pushed alone, as lua/drain.lua reads it (a JSON object
+    with a text id; an entry led by a space is kept under its key already): None for any
+    other entry."""
+    if is_kept(entry):
+        return None
+    try:
+        found = json.loads(entry)
+    except ValueError:
+        return None
+    return found.get("id") if isinstance(found, dict) and isinstance(found.get("id"), str) else None
 
 
 def unreached(popped: Popped, reached: Sequence[Result]) -> list[Result]:

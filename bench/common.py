@@ -257,21 +257,24 @@ def log(message: str) -> None:
 
 
 class ReplyReader:
-    """A client's reader as producer/replies.py reads: marked, reading its reply list alone
-    (reply_lists.reply_read), the results kept under their keys deleted after the next read."""
+    """A client's reader as producer/replies.py reads (reply_lists.ReadState): marked,
+    reading its reply list alone once a read went through, the results kept under their
+    keys deleted by the next read."""
 
     def __init__(self, conn: redis.Redis, keys: Any, client: str) -> None:
+        from batchery.batching.reply_lists import ReadState
         self.conn, self.keys, self.client = conn, keys, client
-        self.parity, self.forget = 0, []
+        self.state = ReadState(alone=True)
+        self.read()
+        self.read()  # marked reading alone from here on, as a Client's reader is
 
     def read(self, block_s: float = 0.001) -> int:
         """One read; the results it got."""
         from batchery.batching.reply_lists import parse_reply_read, reply_read
+        read = self.state.next_read(time.monotonic())
         pipe = self.conn.pipeline(transaction=False)
-        deletes = reply_read(pipe, [self.keys], self.client, self.parity, True, block_s,
-                             [self.keys.result(i) for i in self.forget])
-        popped = parse_reply_read(pipe.execute(raise_on_error=False), deletes, 1)
-        self.parity = 1 - self.parity
-        self.forget = [r.id for r in popped.results if r.id in popped.kept]
+        deletes = reply_read(pipe, [self.keys], self.client, read.parity, read.alone, block_s,
+                             [self.keys.result(i) for i in read.forget], mark=read.mark)
+        popped = parse_reply_read(pipe.execute(raise_on_error=False), deletes, 1, read.mark)
+        self.state.done(read, popped, popped.results, lambda: True)
         return len(popped.results)
-

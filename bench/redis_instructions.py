@@ -77,8 +77,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
     ahead: list[Any] = []
     claims = 0
 
-    reader = common.ReplyReader(conn, queue.keys, "bench")
-    reader.read()  # the reader marks itself as the Client's does
+    reader = common.ReplyReader(conn, queue.keys, "bench")  # marked as the Client's is
     dump("")
 
     def claim(token: str, counts: list[tuple[str, int]]) -> Any:
