@@ -82,9 +82,9 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
     to skip its duplicate check; any later call of them is checked, whatever sends it
     (a group sent again caller by caller, a call routed again)."""
     delays = ",".join(f"{c}={int(s * 1000)}" for c, s in DEFAULTS.class_delays.items())
+    unsent = first_send(requests)  # no id can be known: nothing to check, no key to read
     args: list[Any] = [k.result_prefix, DEFAULTS.max_pending, DEFAULTS.max_request_bytes,
-                       delays, client_id, DEFAULTS.memory_high_water, shards,
-                       int(first_send(requests))]
+                       delays, client_id, DEFAULTS.memory_high_water, shards, int(unsent)]
     run = -1  # where the current run's count is in args: a run shares these three
     for r in requests:
         tokens = r.tokens if r.tokens is not None else f"~{estimate_tokens(r.input)}"
@@ -93,9 +93,9 @@ def enqueue_call(k: Keys, requests: Sequence[Request], client_id: str, shards: i
             args += (r.priority, deadline_ms, r.tenant, 0)
             run = len(args) - 1
         args[run] += 1
-        args += (tokens, r.payload())  # the id goes in its result key only
-    return Call([*fixed_keys(k, "enqueue", call=k.call(new_call_id())),
-                 *(k.result_prefix + r.id for r in requests)], args)
+        args += (r.id, tokens, r.payload())
+    checked = () if unsent else (k.result_prefix + r.id for r in requests)  # read by the check
+    return Call([*fixed_keys(k, "enqueue", call=k.call(new_call_id())), *checked], args)
 
 
 def new_call_id() -> str:
@@ -196,21 +196,29 @@ def parse_enqueue(reply: list[Any], requests: Sequence[Request]) -> list[bool]:
 
 
 def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
-                  clients: Sequence[str]) -> Call:
+                  clients: Sequence[str], keyed: bool = True) -> Call:
     """The complete script's KEYS and ARGV: (id, lease token, result JSON) items, each
-    with its client (see lua/complete.lua)."""
+    with its client (see lua/complete.lua). ``keyed``: each id sent in its result key,
+    declared; else in ARGV, no result key declared (refused with KEYS_NEEDED when a result
+    would be stored under its key)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                        ",".join(f"{name}={n}" for name, n in totals.items() if n),
-                       int(DEFAULTS.delete_delivered)]
+                       int(DEFAULTS.delete_delivered), int(keyed)]
     run = -1  # where the current run's count is in args: a run shares a token and a client
-    for (_, token, result), client in zip(items, clients, strict=True):
+    for (request_id, token, result), client in zip(items, clients, strict=True):
         if run < 0 or args[run - 2] != token or args[run - 1] != client:
             args += (token, client, 0)
             run = len(args) - 1
         args[run] += 1
-        args.append(result)  # the id goes in its result key only
+        if not keyed:
+            args.append(request_id)
+        args.append(result)
+    ids = [i[0] for i in items] if keyed else []
     return Call([*fixed_keys(k, "complete", call=k.call(new_call_id())),
-                 *declared_keys(k, [i[0] for i in items], clients)], args)
+                 *declared_keys(k, ids, clients)], args)
+
+
+KEYS_NEEDED = "keys"  # a keyless commit's answer when a result must be stored under its key
 
 
 def fail_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]],

@@ -12,12 +12,12 @@ from typing import Any, Callable, Sequence
 
 import redis
 
-from batchery.batching.calls import (Call, Cancelled, Failed, Reaped, attach_call, cancel_call,
-                                     complete_call, declared_keys, drain_call, enqueue_call,
-                                     fail_call, lookup_call, memory_full, parse_cancel, parse_clients,
-                                     parse_enqueue, parse_fail, parse_lookup, parse_reap,
-                                     reap_call, release_call, renew_call, workers_call,
-                                     fold_call)
+from batchery.batching.calls import (KEYS_NEEDED, Call, Cancelled, Failed, Reaped, attach_call,
+                                     cancel_call, complete_call, declared_keys, drain_call,
+                                     enqueue_call, fail_call, fold_call, lookup_call, memory_full,
+                                     parse_cancel, parse_clients, parse_enqueue, parse_fail,
+                                     parse_lookup, parse_reap, reap_call, release_call,
+                                     renew_call, workers_call)
 from batchery.batching.claim_call import ClaimReply, claim_call, claim_payload_ids, parse_claim
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
@@ -32,6 +32,7 @@ WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua tri
 # Counters one reaper turn looks at for dropping (lua/fold.lua): a page of a few ms, and
 # at a turn per lease / 3 more than a million new job ids a day add.
 COUNTERS_PAGE = 1000
+KEYED_CLIENTS_KEPT = 10_000   # clients remembered as committed keyed, at most (then forgotten)
 
 
 class RequestQueue(QueueInspection):
@@ -45,6 +46,9 @@ class RequestQueue(QueueInspection):
         self.client = client
         self.scripts = scripts or Scripts(client)
         self.counters_cursor = "0"  # where the reaper's walk through the counters is
+        # clients whose results a commit stores under their keys (no reader reading their
+        # list alone): committed keyed; any other's, keyless first (lua/complete.lua)
+        self.keyed_clients: set[str] = set()
 
     def keys_for(self, request_id: str) -> Keys:
         """The keys of the shard that holds ``request_id`` (its generation stream)."""
@@ -205,8 +209,15 @@ class RequestQueue(QueueInspection):
         if not items:
             return []
         clients = self.clients([item[0] for item in items]) if clients is None else clients
+        if all(clients) and self.keyed_clients.isdisjoint(clients):  # keyless: a key a request fewer
+            flags = self._run("complete", complete_call(self.keys, items, totals, clients, keyed=False))
+            if not flags.startswith(KEYS_NEEDED):
+                return [f == "1" for f in flags]  # a digit a request (lua/complete.lua)
+            if len(self.keyed_clients) >= KEYED_CLIENTS_KEPT:
+                self.keyed_clients.clear()
+            self.keyed_clients.update(flags.split("\n")[1:])  # committed keyed from now on
         flags = self._run("complete", complete_call(self.keys, items, totals, clients))
-        return [f == "1" for f in flags]  # a digit a request (lua/complete.lua)
+        return [f == "1" for f in flags]
 
     def fail(self, items: Sequence[tuple[str, str, str | bytes]],
              clients: Sequence[str] | None = None) -> list[Failed]:

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio
 
 from batchery import Client, InvalidRequest, Result
-from batchery.batching.request import Request, map_requests
+from batchery.batching.request import DEFAULT_PRIORITY, Request, RequestIds, map_requests
 from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.claim_call import claim_call, packed_array
 from batchery.batching.async_queue import AsyncRequestQueue
@@ -261,8 +261,10 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
 @pytest.mark.parametrize("end", ["first", "last"])
 def test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused(
         queue: RequestQueue, end: str) -> None:
-    """The enqueue and complete scripts take each request's id from its result key (an id
-    is sent once: each value handed to a script is made a Lua string). A call whose first
+    """The complete script takes each request's id from its result key (an id is sent
+    once: each value handed to a script is made a Lua string); an enqueue sends its ids as
+    values, and declares their result keys only when its duplicate check reads them (ids
+    the client made and never sent declare none: a key fewer a request). A call whose first
     or last declared key is not a result key of the queue (a caller's bug) is refused, with
     what is wrong, and writes nothing; the same call with its keys whole goes through."""
     def tampered(call: Call, script: str) -> Call:
@@ -271,8 +273,11 @@ def test_an_id_is_sent_once_in_its_result_key_and_a_key_not_one_is_refused(
         keys[at] = "elsewhere:" + keys[at]
         return Call(keys, call.args)
     requests = [Request(id=i, input=f"input of {i}") for i in ("a", "b", "c")]
-    call = enqueue_call(queue.keys, requests, "c1")
-    assert not {"a", "b", "c"} & set(call.args)  # the ids are in the keys only
+    call = enqueue_call(queue.keys, requests, "c1")  # ids given: checked
+    assert [v for v in call.args if v in {"a", "b", "c"}] == ["a", "b", "c"]  # each once
+    assert call.keys[len(FIXED_KEYS["enqueue"]):] == [queue.keys.result(i) for i in "abc"]
+    unsent = list(map_requests(["x", "y"], DEFAULT_PRIORITY, None, RequestIds(), lambda v: None))
+    assert len(enqueue_call(queue.keys, unsent, "c1").keys) == len(FIXED_KEYS["enqueue"])
     with pytest.raises(redis.ResponseError, match="enqueue needs the result key of each id"):
         queue._run("enqueue", tampered(call, "enqueue"))
     assert queue.client.zcard(queue.keys.pending) == 0 and not queue.client.exists(queue.keys.requests)

@@ -78,6 +78,51 @@ def test_a_commit_skips_the_result_key_only_for_a_reader_reading_alone(
     assert rconn.exists(k.requests, k.sched) == 0  # forgotten either way
 
 
+@settings(max_examples=examples(25), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(marks=st.lists(st.sampled_from([None, "0", "1"]), min_size=1, max_size=3),
+       unclaimed=st.booleans(), n=st.integers(1, 3))
+def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_keys(
+        rconn: redis.Redis, marks: list[str | None], unclaimed: bool, n: int) -> None:
+    """A commit goes keyless first (no result key declared, a key fewer a request): all
+    or nothing, refused whole, writing nothing, when any of its clients' results must be
+    stored under their keys (its reader not reading alone, or no client); then sent keyed,
+    and its clients remembered so, so their next commit goes keyed at once."""
+    queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
+    k = queue.keys
+    clients = [f"c{j}" for j in range(len(marks))] + ([""] if unclaimed else [])
+    for client, mark in zip(clients, marks):
+        if mark is not None:
+            rconn.set(k.reader(client), mark, px=READER_LIVE_MS)
+    for client in clients:
+        assert all(queue.enqueue([Request.validated(id=f"{client or 'none'}-{i}", input=i)
+                                  for i in range(n)], client))
+    claimed = queue.claim("w#1", 100, 10 ** 6, 0, 100).batch
+    assert len(claimed) == n * len(clients)
+    keyed = {c for c, mark in zip(clients, marks + [None]) if mark != "1" and c}
+
+    calls: list[bool] = []  # each complete call: keyed or not
+    run = queue._run
+    queue._run = lambda script, call: (  # type: ignore[method-assign]
+        calls.append(call.args[5] == 1) if script == "complete" else None) or run(script, call)
+    assert committed(queue, claimed) == [True] * len(claimed)
+    # keyless first, while every request has a client; refused, then keyed
+    assert calls == ([True] if unclaimed else [False, True] if keyed else [False])
+    assert queue.keyed_clients == (set() if unclaimed else keyed)
+    for r in claimed:
+        alone = r.client and r.client not in keyed
+        assert rconn.exists(k.result(r.id)) == (0 if alone else 1)
+    assert queue.stats()["totals"]["requests"] == len(claimed)  # counted once
+    for client in clients[:len(marks)]:
+        entries = rconn.lrange(k.reply(client), 0, -1)
+        assert len(entries) == n and all(e.startswith(" ") == (client in keyed) for e in entries)
+    if keyed and not unclaimed:  # learned: the next commit of a keyed client goes keyed
+        again = enqueued(queue, 1, sorted(keyed)[0])
+        calls.clear()
+        assert committed(queue, again) == [True]
+        assert calls == [True] and rconn.exists(k.result(again[0].id)) == 1
+
+
 def test_a_replayed_commit_gets_its_first_reply_and_adds_nothing(
         rconn: redis.Redis, queue_name: str) -> None:
     queue = RequestQueue(rconn, queue_name)

@@ -1,16 +1,23 @@
 -- complete: commit results of leased requests; only the lease holder's results count.
 -- K.requests  K.sched  K.attempts  K.lease_expiry  K.lease_ids
 -- K.settings  K.stats  K.history  K.call this call's reply, remembered (see Returns)
--- KEYS[FIXED+1..] the result key of each id (in ARGV's order: the id is the key past the
---         prefix ARGV[1], sent once), then the reply list, reader mark and bell of each
---         client among them (batching/calls.py declared_keys)
+-- KEYS[FIXED+1..] keyed (ARGV[6] 1): the result key of each id (in ARGV's order: the id is
+--         the key past the prefix ARGV[1], sent once); then, either way, the reply list,
+--         reader mark and bell of each client among them (batching/calls.py declared_keys)
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5] default delete_delivered (1 or 0)
--- ARGV[6..] runs of requests that share a lease token and a client: the token, the client
+-- ARGV[6] 1: keyed, as above; 0: keyless, no result key declared and each result JSON led
+--         by its id in ARGV (a key a request fewer: a commit whose results all go to reply
+--         lists alone touches none). A keyless call that would store a result under its key
+--         (one of no client, or of a client whose results are not listed alone) is refused
+--         whole, writing nothing: it returns KEYS_NEEDED and those clients, a line each
+--         ("keys\nclient..."), and its caller sends it keyed.
+-- ARGV[7..] runs of requests that share a lease token and a client: the token, the client
 --         whose reply list gets their results ('' for none; the claim handed it to the
---         worker with the request), their count k, then k result JSONs
---         (batching/calls.py complete_call: one run for a batch of one claim and one client)
+--         worker with the request), their count k, then k result JSONs (keyless: k pairs,
+--         id and result JSON) (batching/calls.py complete_call: one run for a batch of one
+--         claim and one client)
 -- A result goes to its client's reply list alone while that client's reader reads it
 -- alone (its mark is "1": batching/keys.py reader_prefix) and the queue deletes delivered
 -- results: the reader takes it within a read, and a key written to be deleted a moment
@@ -20,7 +27,7 @@
 -- by the reaper (drain.lua).
 -- Returns "c1..cN", one text of a digit a request (as enqueue's): 1 committed; 0 discarded
 --   because this claim no longer holds the lease (it expired and was taken over, or the
---   request was cancelled).
+--   request was cancelled); or KEYS_NEEDED (above).
 -- A replay (the connection retried after the reply was lost) gets the first run's reply,
 -- remembered under K.call for 60 s (as enqueue's), and changes nothing: a result pushed
 -- onto a list alone has no key to find it by, and the totals are not added twice.
@@ -30,16 +37,19 @@ local result_prefix, reply_prefix = ARGV[1], ARGV[2]
 local ttl = setting(K.settings, 'result_ttl', tonumber(ARGV[3]))
 local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
 local lists_alone = setting(K.settings, 'delete_delivered', tonumber(ARGV[5])) == 1
-local FIRST_RUN = 6
+local KEYS_NEEDED = 'keys'
+local keyed = ARGV[6] == '1'
+local step = keyed and 1 or 2  -- ARGV values a request: its JSON, keyless its id first
+local FIRST_RUN = 7
 local n, a, n_args = 0, FIRST_RUN, #ARGV
 while a <= n_args do
   local k = tonumber(ARGV[a + 2])
-  n, a = n + k, a + 3 + k
+  n, a = n + k, a + 3 + step * k
 end
 if n == 0 then return '' end
--- the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py declared_keys):
--- taken as declared, not built and looked up again per request
-local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, true, 'complete')
+-- keyed, the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py
+-- declared_keys): taken as declared, not built and looked up again per request
+local ids = keyed and ids_in_result_keys(result_prefix, FIXED + 1, n, true, 'complete') or {}
 -- each lease token's ids among them
 local of_token, i = {}, 0
 a = FIRST_RUN
@@ -48,8 +58,11 @@ while a <= n_args do
   local mine = of_token[token] or {}
   of_token[token] = mine
   local m = #mine
+  if not keyed then
+    for j = 1, k do ids[i + j] = ARGV[a + 1 + 2 * j] end
+  end
   for j = 1, k do mine[m + j] = ids[i + j] end
-  i, a = i + k, a + 3 + k
+  i, a = i + k, a + 3 + step * k
 end
 -- What each token's lease still holds of its ids: all of them when the lease is exactly
 -- its ids in order (a batch committed whole, the common case: one string compared, no id
@@ -62,7 +75,7 @@ for token, mine in pairs(of_token) do
   else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
 
-declare_only(FIXED + n + 1)  -- the reply lists: the result keys were taken by position
+declare_only(FIXED + (keyed and n or 0) + 1)  -- the reply lists (the result keys: by position)
 -- whether a client's results go to its reply list alone (its reader reads it alone)
 local marks = {}  -- client -> its reader mark, read once
 local function list_alone(client)
@@ -73,6 +86,19 @@ local function list_alone(client)
   end
   return lists_alone and mark == '1'
 end
+if not keyed then  -- every result must go to a reply list alone, or none is committed here
+  local needed, listed = {}, {}  -- the clients whose results would be stored under keys
+  a = FIRST_RUN
+  while a <= n_args do
+    local client = ARGV[a + 1]
+    if (client == '' or not list_alone(client)) and not listed[client] then
+      listed[client] = true
+      needed[#needed + 1] = client
+    end
+    a = a + 3 + 2 * tonumber(ARGV[a + 2])
+  end
+  if #needed > 0 then return KEYS_NEEDED .. '\n' .. table.concat(needed, '\n') end
+end
 local done, flags, replies = {}, {}, {}
 local d = 0
 i, a = 0, FIRST_RUN
@@ -80,14 +106,14 @@ while a <= n_args do
   local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
   local jsons = client ~= '' and (replies[client] or {}) or nil
   if jsons then replies[client] = jsons end
-  local keyless = jsons and list_alone(client)
+  local alone = jsons and list_alone(client)
   local held = holds[token]
   a = a + 3
   for _ = 1, k do
     i = i + 1
-    local json, key = ARGV[a], KEYS[FIXED + i]
+    local json, key = ARGV[a + step - 1], KEYS[FIXED + i]  -- (keyless: no key, none stored)
     if held == true or held[ids[i]] then
-      if keyless then jsons[#jsons + 1] = json
+      if alone then jsons[#jsons + 1] = json
       else
         rcall('SET', key, json, 'EX', ttl_s)
         if jsons then jsons[#jsons + 1] = KEPT .. json end
@@ -99,7 +125,7 @@ while a <= n_args do
     else
       flags[i] = '0'
     end
-    a = a + 1
+    a = a + step
   end
 end
 for client, jsons in pairs(replies) do  -- a client none of whose results counted: no push

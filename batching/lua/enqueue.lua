@@ -11,9 +11,9 @@
 -- K.call       STRING this call's reply, remembered (see Returns)
 -- K.fair  K.fair_tenants  K.vtc   the tenants' sub-queues and
 --         counters (_common.lua fair_*; docs/fair-share.md)
--- KEYS[FIXED+1..] the result key of each request, in ARGV's order: its id is the key past
---         the prefix ARGV[1] (an id is sent once, in its key: a value handed to a script
---         is made a Lua string, dearer than cutting it from the key)
+-- KEYS[FIXED+1..] a checked call's (ARGV[8] 0) result key of each request, in ARGV's
+--         order, which its duplicate check reads; a call that skips the check declares none
+--         (it touches no result key: each id is sent once, in ARGV, not again in a key)
 -- ARGV[1] result key prefix (an id with a result already is not enqueued again)
 -- ARGV[2] default max_pending
 -- ARGV[3] default max_request_bytes
@@ -28,7 +28,7 @@
 --         ids repeated within the call are still accepted once. 0: checked.
 -- ARGV[9..] runs of requests that share a priority (class name or integer seconds), a
 --           deadline in ms from now (0 = none) and a tenant: those three, the run's
---           count k, then k pairs: tokens ("~N": an estimate), request JSON
+--           count k, then k triples: id, tokens ("~N": an estimate), request JSON
 --           (batching/calls.py enqueue_call: one run for a Client.map call's requests)
 -- Returns {1, now_ms, "s1..sN"}, one text of a digit a request: si = 1 accepted, 0 already
 --         known (idempotent; an id repeated within the call is accepted once, with its
@@ -109,7 +109,7 @@ do
   while a <= n_args do
     local k = tonumber(ARGV[a + 3])
     runs[#runs + 1] = {ARGV[a], ARGV[a + 1], ARGV[a + 2], a + 4, k}
-    n, a = n + k, a + 4 + 2 * k
+    n, a = n + k, a + 4 + 3 * k
   end
 end
 -- A dead letter whose dead result is gone (expired, or written to a job's output) no
@@ -117,10 +117,18 @@ end
 -- Two reads for the whole call, not two per request: how many have a result (none, on a
 -- fresh call: then no result key is read again) and which are held in `requests`.
 local status, fresh, incoming, seen, stale = {}, 0, 0, {}, {}
--- the ids, in order, cut from their result keys KEYS[FIXED+1..] (batching/calls.py
--- enqueue_call): taken as declared, not built again per request
-local ids = ids_in_result_keys(result_prefix, FIXED + 1, n, false, 'enqueue')
 local checked = n > 0 and ARGV[8] ~= '1'
+local ids = {}  -- in ARGV's order
+do
+  local i = 0
+  for _, run in ipairs(runs) do
+    for a = run[4], run[4] + 3 * (run[5] - 1), 3 do i = i + 1; ids[i] = ARGV[a] end
+  end
+end
+if checked and (#KEYS ~= FIXED + n or KEYS[FIXED + 1] ~= result_prefix .. ids[1]
+                or KEYS[FIXED + n] ~= result_prefix .. ids[n]) then
+  error('batchery: enqueue needs the result key of each id in KEYS, in ARGV order')
+end
 local some_results = checked and count_existing(KEYS, FIXED + 1, FIXED + n) > 0
 local held = checked and hmget_chunked(K.requests, ids) or {}
 local function known(i, id)
@@ -139,7 +147,7 @@ for _, run in ipairs(runs) do
   local valid, run_fresh = delay_of(priority), 0
   for _ = 1, run[5] do
     i = i + 1
-    local id, payload = ids[i], ARGV[a + 1]
+    local id, payload = ids[i], ARGV[a + 2]
     if (seen[id] or some_results or held[i]) and known(i, id) then  -- (a call only then)
       status[i] = '0'  -- known already, or earlier in this call: the first one stands
     else
@@ -151,7 +159,7 @@ for _, run in ipairs(runs) do
       first_of[tenant] = first_of[tenant] or i
       incoming = incoming + #payload + #id + REQUEST_OVERHEAD
     end
-    a = a + 2
+    a = a + 3
   end
   if run_fresh > 0 then
     fresh = fresh + run_fresh
@@ -220,13 +228,13 @@ for _, run in ipairs(runs) do
     if status[i] == '1' then
       local id = ids[i]
       zargs[m + 1], zargs[m + 2] = rank, id
-      hargs[m + 1], hargs[m + 2] = id, ARGV[a + 1]
-      sargs[m + 1], sargs[m + 2] = id, ARGV[a] .. tail
+      hargs[m + 1], hargs[m + 2] = id, ARGV[a + 2]
+      sargs[m + 1], sargs[m + 2] = id, ARGV[a + 1] .. tail
       if listed then fargs[m + 1], fargs[m + 2] = '0', head .. id end
       m = m + 2
       g.n = g.n + 1
     end
-    a = a + 2
+    a = a + 3
   end
 end
 local joined = {}
