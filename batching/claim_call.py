@@ -106,6 +106,30 @@ def claim_payload_ids(reply: list[Any]) -> list[str]:
     return [*reply[4], *reply[7]]
 
 
+def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> dict[int, Any]:
+    """The payloads of requests this claim leased that the worker read when an earlier
+    claim handed them ahead (``ahead``: id -> (payload, that claim's now_ms)), by place in
+    ``claim_payload_ids(reply)``: read once, not again with the lease. Only those whose
+    schedule entry says they were enqueued before that claim: a request cancelled, or
+    finished and its result delivered, and enqueued again under its id since, is enqueued
+    after it, and its payload read again."""
+    if not ahead or len(reply) == 3 or int(reply[1]) == TO_PRICE:
+        return {}
+    out = {}
+    for n, (request_id, sched) in enumerate(zip(reply[4], reply[5])):
+        got = ahead.get(request_id)
+        if got is not None and sched and enqueued_before(sched, got[1]):
+            out[n] = got[0]
+    return out
+
+
+def enqueued_before(sched: str, ms: int) -> bool:
+    """Whether a schedule entry ("tokens:expire:enqueued:...") was enqueued before ``ms``;
+    False for one that cannot be read."""
+    fields = sched.split(":", 3)
+    return len(fields) > 3 and fields[2].isdigit() and int(fields[2]) < ms
+
+
 def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) -> ClaimReply:
     """The claim's reply with the payloads of ``claim_payload_ids(reply)``, read after it.
     A request leased whose payload is gone (cancelled since) is handed over as one that

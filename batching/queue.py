@@ -18,7 +18,8 @@ from batchery.batching.calls import (KEYS_NEEDED, Call, Cancelled, Failed, Reape
                                      parse_cancel, parse_clients, parse_enqueue, parse_fail,
                                      parse_lookup, parse_reap, reap_call, release_call,
                                      renew_call, workers_call)
-from batchery.batching.claim_call import ClaimReply, claim_call, claim_payload_ids, parse_claim
+from batchery.batching.claim_call import (ClaimReply, claim_call, claim_payload_ids, parse_claim,
+                                          payloads_read_ahead)
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
@@ -49,6 +50,9 @@ class RequestQueue(QueueInspection):
         # clients whose results a commit stores under their keys (no reader reading their
         # list alone): committed keyed; any other's, keyless first (lua/complete.lua)
         self.keyed_clients: set[str] = set()
+        # the payloads of the requests the last claim handed ahead (or to price), as read
+        # then: id -> (payload, that claim's now_ms), so that their lease reads them once
+        self.read_ahead: dict[str, tuple[Any, int]] = {}
 
     def keys_for(self, request_id: str) -> Keys:
         """The keys of the shard that holds ``request_id`` (its generation stream)."""
@@ -199,7 +203,16 @@ class RequestQueue(QueueInspection):
                           lookahead, price_estimates, counts, ceiling)
         reply = self._run("claim", call)
         ids = claim_payload_ids(reply)  # read after the script: a plain read costs Redis less
-        return parse_claim(reply, token, self.client.hmget(self.keys.requests, ids) if ids else [])
+        known = payloads_read_ahead(reply, self.read_ahead)
+        to_read = [i for n, i in enumerate(ids) if n not in known]
+        read = iter(self.client.hmget(self.keys.requests, to_read) if to_read else ())
+        payloads = [known[n] if n in known else next(read) for n in range(len(ids))]
+        claimed = parse_claim(reply, token, payloads)
+        if ids:  # those handed ahead, or to price: the next claim's batch, likely
+            n_leased = len(claimed.batch) + len(claimed.expired)
+            self.read_ahead = {i: (p, claimed.now_ms) for i, p
+                               in zip(ids[n_leased:], payloads[n_leased:]) if p is not None}
+        return claimed
 
     def complete(self, items: Sequence[tuple[str, str, str | bytes]], totals: dict[str, int],
                  clients: Sequence[str] | None = None) -> list[bool]:

@@ -414,6 +414,45 @@ def test_a_leasing_claim_prices_the_next_batch_ahead(queue: RequestQueue) -> Non
     assert plain.batch == [] and plain.price_ahead == []
 
 
+def redis_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def test_a_payload_read_ahead_is_not_read_again_unless_its_id_was_enqueued_again_since(
+        queue: RequestQueue) -> None:
+    """The payloads of the requests a claim hands ahead are read then, once: their lease
+    does not read them again. One cancelled and enqueued again under its id in between
+    (its result delivered and deleted) is enqueued after that claim: its new payload is
+    read, never the old one run."""
+    queue.enqueue(requests(*"abcdef"))
+    enqueued = redis_ms(queue.client)
+    wait_for(lambda: redis_ms(queue.client) > enqueued, 5, 0.001, "Redis's clock to move on")
+    fields: list[str] = []
+    hmget = queue.client.hmget
+
+    def counted(key: str, ids: list[str]) -> list:
+        fields.extend(ids)
+        return hmget(key, ids)
+    queue.client.hmget = counted  # type: ignore[method-assign]  # (reads through, counted)
+    priced = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True)
+    first = queue.claim("w#1", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in priced.to_price])
+    second = queue.claim("w#2", 2, 10_000, 0, 10, price_estimates=True,
+                         counts=[(i, 1) for i, _ in first.price_ahead])
+    assert [(r.id, r.input) for r in first.batch + second.batch] == [
+        ("r0", "a"), ("r1", "b"), ("r2", "c"), ("r3", "d")]
+    assert fields == ["r0", "r1", "r2", "r3", "r4", "r5"]  # each read once
+    assert queue.cancel(["r4"]) == [Cancelled.QUEUED]
+    queue.client.delete(queue.keys.result("r4"))  # delivered, deleted
+    assert queue.enqueue([Request.validated(id="r4", input="again")]) == [True]
+    fields.clear()
+    third = queue.claim("w#3", 2, 10_000, 0, 10, price_estimates=True,
+                        counts=[(i, 1) for i, _ in second.price_ahead])
+    assert [(r.id, r.input) for r in third.batch] == [("r5", "f"), ("r4", "again")]
+    assert fields == ["r4"]  # the one enqueued again since it was read (in the same ms or after)
+
+
 def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(
         queue: RequestQueue) -> None:
     """The requests handed ahead come with their payloads, in line order; one pending
