@@ -112,7 +112,8 @@ def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> 
     ``claim_payload_ids(reply)``: read once, not again with the lease. Only those whose
     schedule entry says they were enqueued before that claim: a request cancelled, or
     finished and its result delivered, and enqueued again under its id since, is enqueued
-    after it, and its payload read again."""
+    after it, and its payload read again. (Both times are the shard's Redis clock, as every
+    rank and lease of the queue: lua/_common.lua now_ms.)"""
     if not ahead or len(reply) == 3 or int(reply[1]) == TO_PRICE:
         return {}
     out = {}

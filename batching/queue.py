@@ -7,6 +7,7 @@ readers it shares with its asyncio twin are batching/calls.py's.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -33,7 +34,11 @@ WAKE_TOKENS = 64              # a wake list's length cap, as lua/enqueue.lua tri
 # Counters one reaper turn looks at for dropping (lua/fold.lua): a page of a few ms, and
 # at a turn per lease / 3 more than a million new job ids a day add.
 COUNTERS_PAGE = 1000
-KEYED_CLIENTS_KEPT = 10_000   # clients remembered as committed keyed, at most (then forgotten)
+# A client whose commit had to be keyed is committed keyed at once for this long, then
+# keyless is tried again: a new reader marks itself reading alone once its first read went
+# through (batching/reply_lists.py), a stopped one seldom comes back.
+KEYED_FOR_S = 1.0
+KEYED_CLIENTS_KEPT = 10_000   # clients remembered so at most (the lapsed ones dropped then)
 
 
 class RequestQueue(QueueInspection):
@@ -47,9 +52,10 @@ class RequestQueue(QueueInspection):
         self.client = client
         self.scripts = scripts or Scripts(client)
         self.counters_cursor = "0"  # where the reaper's walk through the counters is
-        # clients whose results a commit stores under their keys (no reader reading their
-        # list alone): committed keyed; any other's, keyless first (lua/complete.lua)
-        self.keyed_clients: set[str] = set()
+        # clients whose results a commit stored under their keys lately (no reader reading
+        # their list alone then) -> until when (monotonic s) their commits go keyed at once;
+        # any other's go keyless first (lua/complete.lua)
+        self.keyed_clients: dict[str, float] = {}
         # the payloads of the requests the last claim handed ahead (or to price), as read
         # then: id -> (payload, that claim's now_ms), so that their lease reads them once
         self.read_ahead: dict[str, tuple[Any, int]] = {}
@@ -208,7 +214,9 @@ class RequestQueue(QueueInspection):
         read = iter(self.client.hmget(self.keys.requests, to_read) if to_read else ())
         payloads = [known[n] if n in known else next(read) for n in range(len(ids))]
         claimed = parse_claim(reply, token, payloads)
-        if ids:  # those handed ahead, or to price: the next claim's batch, likely
+        if claimed.nothing_pending:
+            self.read_ahead = {}
+        elif ids:  # those handed ahead, or to price: the next claim's batch, likely
             n_leased = len(claimed.batch) + len(claimed.expired)
             self.read_ahead = {i: (p, claimed.now_ms) for i, p
                                in zip(ids[n_leased:], payloads[n_leased:]) if p is not None}
@@ -222,13 +230,16 @@ class RequestQueue(QueueInspection):
         if not items:
             return []
         clients = self.clients([item[0] for item in items]) if clients is None else clients
-        if all(clients) and self.keyed_clients.isdisjoint(clients):  # keyless: a key a request fewer
+        now = time.monotonic()
+        if all(clients) and not any(self.keyed_clients.get(c, 0) > now for c in set(clients)):
+            # keyless: a key a request fewer
             flags = self._run("complete", complete_call(self.keys, items, totals, clients, keyed=False))
             if not flags.startswith(KEYS_NEEDED):
                 return [f == "1" for f in flags]  # a digit a request (lua/complete.lua)
             if len(self.keyed_clients) >= KEYED_CLIENTS_KEPT:
-                self.keyed_clients.clear()
-            self.keyed_clients.update(flags.split("\n")[1:])  # committed keyed from now on
+                self.keyed_clients = {c: t for c, t in self.keyed_clients.items() if t > now}
+            until = now + KEYED_FOR_S
+            self.keyed_clients.update((c, until) for c in flags.split("\n")[1:])
         flags = self._run("complete", complete_call(self.keys, items, totals, clients))
         return [f == "1" for f in flags]
 

@@ -18,6 +18,7 @@ from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.claim_call import claim_call, packed_array
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.queue import RequestQueue
+from batchery.batching.reply_lists import READER_LIVE_MS
 from batchery.batching.scripts import FIXED_KEYS, NAMES, NOSCRIPT_TRIES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
@@ -256,6 +257,15 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
     assert queue.renew("w", []) == []
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
+    # ids the client made (no result key declared) and a commit of a reader reading alone
+    # (keyless)
+    queue.client.set(queue.keys.reader("c2"), "1", px=READER_LIVE_MS)
+    made = list(map_requests(["x", "y"], DEFAULT_PRIORITY, None, RequestIds(), lambda v: None))
+    assert queue.enqueue(made, "c2") == [True, True]
+    batch = [r for r in queue.claim("w#2", 10, 10_000, 0, 10).batch if r.client == "c2"]
+    assert queue.complete([(r.id, r.lease_token, Result(r.id, "ok", 1).to_json()) for r in batch],
+                          {"requests": 2}, [r.client for r in batch]) == [True, True]
+    assert queue.client.llen(queue.keys.reply("c2")) == 2 and "c2" not in queue.keyed_clients
 
 
 @pytest.mark.parametrize("end", ["first", "last"])

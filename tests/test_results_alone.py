@@ -11,6 +11,7 @@ import gc
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
     """A commit goes keyless first (no result key declared, a key fewer a request): all
     or nothing, refused whole, writing nothing, when any of its clients' results must be
     stored under their keys (its reader not reading alone, or no client); then sent keyed,
-    and its clients remembered so, so their next commit goes keyed at once."""
+    and those clients remembered, so that their next commits go keyed at once, until
+    KEYED_FOR_S has passed: then keyless is tried again (a reader reads alone once its
+    first read went through)."""
     queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
     k = queue.keys
     clients = [f"c{j}" for j in range(len(marks))] + ([""] if unclaimed else [])
@@ -108,7 +111,7 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
     assert committed(queue, claimed) == [True] * len(claimed)
     # keyless first, while every request has a client; refused, then keyed
     assert calls == ([True] if unclaimed else [False, True] if keyed else [False])
-    assert queue.keyed_clients == (set() if unclaimed else keyed)
+    assert set(queue.keyed_clients) == (set() if unclaimed else keyed)
     for r in claimed:
         alone = r.client and r.client not in keyed
         assert rconn.exists(k.result(r.id)) == (0 if alone else 1)
@@ -121,15 +124,23 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
         calls.clear()
         assert committed(queue, again) == [True]
         assert calls == [True] and rconn.exists(k.result(again[0].id)) == 1
+        for client in keyed:  # a while later, its reader reads alone: keyless again
+            rconn.set(k.reader(client), "1", px=READER_LIVE_MS)
+            queue.keyed_clients[client] = time.monotonic()  # (its KEYED_FOR_S over)
+        later = enqueued(queue, 1, sorted(keyed)[0])
+        calls.clear()
+        assert committed(queue, later) == [True]
+        assert calls == [False] and rconn.exists(k.result(later[0].id)) == 0
 
 
+@pytest.mark.parametrize("keyed", [True, False])
 def test_a_replayed_commit_gets_its_first_reply_and_adds_nothing(
-        rconn: redis.Redis, queue_name: str) -> None:
+        rconn: redis.Redis, queue_name: str, keyed: bool) -> None:
     queue = RequestQueue(rconn, queue_name)
     rconn.set(queue.keys.reader("c1"), "1", px=READER_LIVE_MS)
     claimed = enqueued(queue, 3, "c1")
     call = complete_call(queue.keys, [(r.id, r.lease_token, Result(r.id, "ok", 1).to_json())
-                                      for r in claimed], {"requests": 3}, ["c1"] * 3)
+                                      for r in claimed], {"requests": 3}, ["c1"] * 3, keyed)
     assert queue.scripts.complete(call.keys, call.args) == "111"
     # the connection retries after the reply was lost: no key to find the results by
     assert queue.scripts.complete(call.keys, call.args) == "111"

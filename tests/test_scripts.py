@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
 from batchery.batching.calls import Cancelled, Failed, Reaped
-from batchery.batching.claim_call import claim_call, claim_payload_ids, packed_array, parse_claim
+from batchery.batching.claim_call import (claim_call, claim_payload_ids, enqueued_before,
+                                          packed_array, parse_claim)
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
@@ -451,6 +452,16 @@ def test_a_payload_read_ahead_is_not_read_again_unless_its_id_was_enqueued_again
                         counts=[(i, 1) for i, _ in second.price_ahead])
     assert [(r.id, r.input) for r in third.batch] == [("r5", "f"), ("r4", "again")]
     assert fields == ["r4"]  # the one enqueued again since it was read (in the same ms or after)
+
+
+def test_a_payload_read_ahead_counts_only_for_a_request_enqueued_before_it_was_read() -> None:
+    """The guard's rule on its own: enqueued in the ms of the claim that handed it ahead,
+    or after, or with an entry that cannot be read, is read again."""
+    assert enqueued_before("~1:0:1699:1700:normal:c1:t", 1700)
+    assert not enqueued_before("~1:0:1700:1700:normal:c1:t", 1700)
+    assert not enqueued_before("~1:0:1701:1701:normal:c1:t", 1700)
+    assert not enqueued_before("~1:0:x:1701:normal:c1:t", 1700)
+    assert not enqueued_before("garbage", 1700)
 
 
 def test_a_request_next_in_line_without_its_payload_is_not_priced_ahead(

@@ -64,13 +64,13 @@ local function widen(on, hashes, zsets)
   end
 end
 
--- The ids of a call's n requests, cut from their result keys KEYS[first..first+n-1]
--- (an id is sent once, in its key: a value handed to a script is made a Lua string, dearer
--- than cutting it from the key). The keys' count and the ends are checked to be the
--- queue's result keys (`more`: keys may follow them, a commit's reply lists).
-local function ids_in_result_keys(result_prefix, first, n, more, script)
+-- The ids of a call's n requests, cut from their result keys KEYS[first..first+n-1], which
+-- a keyed commit declares (an id is sent once, in its key: a value handed to a script is
+-- made a Lua string, dearer than cutting it from the key). The keys' count and the ends
+-- are checked to be the queue's result keys (keys may follow them: the reply lists).
+local function ids_in_result_keys(result_prefix, first, n, script)
   local cut, last = #result_prefix, first + n - 1
-  if (more and #KEYS < last or not more and #KEYS ~= last)
+  if #KEYS < last
      or (n > 0 and (string.sub(KEYS[first], 1, cut) ~= result_prefix
                     or string.sub(KEYS[last], 1, cut) ~= result_prefix)) then
     error('batchery: ' .. script .. ' needs the result key of each id in KEYS, in ARGV order')

@@ -49,7 +49,7 @@ end
 if n == 0 then return '' end
 -- keyed, the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py
 -- declared_keys): taken as declared, not built and looked up again per request
-local ids = keyed and ids_in_result_keys(result_prefix, FIXED + 1, n, true, 'complete') or {}
+local ids = keyed and ids_in_result_keys(result_prefix, FIXED + 1, n, 'complete') or {}
 -- each lease token's ids among them
 local of_token, i = {}, 0
 a = FIRST_RUN
@@ -63,16 +63,6 @@ while a <= n_args do
   end
   for j = 1, k do mine[m + j] = ids[i + j] end
   i, a = i + k, a + 3 + step * k
-end
--- What each token's lease still holds of its ids: all of them when the lease is exactly
--- its ids in order (a batch committed whole, the common case: one string compared, no id
--- looked up), else the set the lease holds.
-local holds, gone, read = {}, {}, {}  -- gone, read: token -> the ids committed of a lease
--- held in part, and the lease's ids as read
-for token, mine in pairs(of_token) do
-  local leased = rcall('HGET', K.lease_ids, token)
-  if leased == table.concat(mine, '\n') then holds[token] = true
-  else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
 
 declare_only(FIXED + (keyed and n or 0) + 1)  -- the reply lists (the result keys: by position)
@@ -99,6 +89,16 @@ if not keyed then  -- every result must go to a reply list alone, or none is com
   end
   if #needed > 0 then return KEYS_NEEDED .. '\n' .. table.concat(needed, '\n') end
 end
+-- What each token's lease still holds of its ids: all of them when the lease is exactly
+-- its ids in order (a batch committed whole, the common case: one string compared, no id
+-- looked up), else the set the lease holds.
+local holds, gone, read = {}, {}, {}  -- gone, read: token -> the ids committed of a lease
+-- held in part, and the lease's ids as read
+for token, mine in pairs(of_token) do
+  local leased = rcall('HGET', K.lease_ids, token)
+  if leased == table.concat(mine, '\n') then holds[token] = true
+  else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
+end
 local done, flags, replies = {}, {}, {}
 local d = 0
 i, a = 0, FIRST_RUN
@@ -111,7 +111,7 @@ while a <= n_args do
   a = a + 3
   for _ = 1, k do
     i = i + 1
-    local json, key = ARGV[a + step - 1], KEYS[FIXED + i]  -- (keyless: no key, none stored)
+    local json, key = ARGV[a + step - 1], keyed and KEYS[FIXED + i] or nil  -- (none stored)
     if held == true or held[ids[i]] then
       if alone then jsons[#jsons + 1] = json
       else

@@ -102,7 +102,7 @@ local function over_high_water(incoming, now)
 end
 
 -- Every entry is checked before anything is written: a refusal leaves no trace.
--- The runs: {priority, deadline, tenant, ARGV index of its first tokens, count}.
+-- The runs: {priority, deadline, tenant, ARGV index of its first id, count}.
 local runs, n, n_args = {}, 0, #ARGV
 do
   local a = 9
