@@ -15,6 +15,7 @@ from batchery.batching.calls import (Cancelled, cancel_call, enqueue_call, looku
                                      parse_lookup)
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import Result
+from batchery.batching.reply_lists import keep_in
 from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts
 from batchery.batching.settings import QueueSettings
@@ -68,10 +69,8 @@ class AsyncRequestQueue:
     async def keep_results(self, results: Sequence[Result]) -> None:
         """As RequestQueue.keep_results."""
         if results:
-            ttl = (await self.settings()).result_ttl
             pipe = self.client.pipeline(transaction=False)
-            for result in results:
-                pipe.set(self.keys.result(result.id), result.to_json(), ex=ttl)
+            keep_in(pipe, self.keys, results, (await self.settings()).result_ttl)
             await pipe.execute()
 
     async def forget_results(self, ids: Sequence[str]) -> None:

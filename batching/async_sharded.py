@@ -12,7 +12,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.calls import Cancelled
-from batchery.batching.reply_lists import Popped, parse_reply_read, reply_read
+from batchery.batching.reply_lists import (Popped, parse_reply_read, reply_read, unmark_in,
+                                           waiting_in)
 from batchery.batching.keys import Keys, shard_of, shard_tags
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
@@ -151,14 +152,11 @@ class AsyncShardedQueue:
         """As ShardedQueue.replies_waiting, for this client's own requests (an AsyncClient
         makes no handle by id)."""
         pipe = self.client.pipeline(transaction=False)
-        for k in (self._shard_at(t).keys for t in tags):
-            pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
+        waiting_in(pipe, [self._shard_at(t).keys for t in tags], client_id)
         return any(await pipe.execute())
 
     async def unmark_reader(self, client_id: str, tags: Sequence[str], parity: int) -> None:
         """As ShardedQueue.unmark_reader."""
         pipe = self.client.pipeline(transaction=False)
-        for k in (self._shard_at(t).keys for t in tags):
-            pipe.delete(k.inbox(client_id, 1 - parity))
-            pipe.delete(k.reader(client_id))
+        unmark_in(pipe, [self._shard_at(t).keys for t in tags], client_id, parity)
         await pipe.execute()

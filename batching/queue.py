@@ -24,7 +24,7 @@ from batchery.batching.claim_call import (ClaimReply, claim_call, claim_payload_
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
-from batchery.batching.reply_lists import entry_id
+from batchery.batching.reply_lists import entry_id, keep_in
 from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import QueueSettings
@@ -147,10 +147,8 @@ class RequestQueue(QueueInspection):
         list they were pushed onto alone (reply_lists.Popped) and that reached nobody, so that
         they stay readable by id as the others do."""
         if results:
-            ttl = self.settings().result_ttl
             pipe = self.client.pipeline(transaction=False)
-            for result in results:
-                pipe.set(self.keys.result(result.id), result.to_json(), ex=ttl)
+            keep_in(pipe, self.keys, results, self.settings().result_ttl)
             pipe.execute()
 
     def forget_results(self, ids: Sequence[str]) -> None:
@@ -340,12 +338,16 @@ class RequestQueue(QueueInspection):
         for client in clients:
             pipe.exists(k.reader(client))
         stopped = [c for c, live in zip(clients, pipe.execute()) if not live]
-        kept = 0
+        if not stopped:
+            return 0
+        pipe = self.client.pipeline(transaction=False)  # every stopped reader's lists at once
         for client in stopped:
-            pipe = self.client.pipeline(transaction=False)
             for key in (k.inbox(client, 0), k.inbox(client, 1), k.reply(client)):
                 pipe.lrange(key, 0, -1)
-            entries = [e for found in pipe.execute() for e in found]
+        lists = pipe.execute()
+        kept = 0
+        for n, client in enumerate(stopped):
+            entries = [e for found in lists[3 * n:3 * n + 3] for e in found]
             ids = [i for i in map(entry_id, entries) if i is not None]
             kept += max(0, int(self._run("drain", drain_call(k, client, ids))))
         return kept

@@ -82,6 +82,28 @@ def reply_read(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int, a
     return len(deletes)
 
 
+def keep_in(pipe: Any, k: Keys, results: Sequence[Result], ttl: int) -> None:
+    """Queue on ``pipe`` the SET of each result under its key on shard ``k`` for ``ttl``
+    s: those a read found on a list alone that reached nobody (ReadState.keep)."""
+    for result in results:
+        pipe.set(k.result(result.id), result.to_json(), ex=ttl)
+
+
+def waiting_in(pipe: Any, shards: Sequence[Keys], client_id: str) -> int:
+    """Queue on ``pipe`` whether the client's reply list or either inbox exists on each of
+    ``shards`` (a result may be on its way there); returns how many replies that is."""
+    for k in shards:
+        pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
+    return len(shards)
+
+
+def unmark_in(pipe: Any, shards: Sequence[Keys], client_id: str, parity: int) -> None:
+    """Queue on ``pipe`` what a reader that stops sends on each of ``shards``: the last
+    read's inbox deleted (delivered; ``parity``: the next read's) and its mark lifted."""
+    for k in shards:  # (one DEL a shard: the keys share its slot)
+        pipe.delete(k.inbox(client_id, 1 - parity), k.reader(client_id))
+
+
 def parse_reply_read(replies: list[Any], deletes: int, shards: int,
                      marked: bool = True) -> Popped:
     """The results of a reply_read of ``shards`` lists whose first ``deletes`` replies are

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from batchery.batching.calls import Cancelled
-from batchery.batching.reply_lists import Popped, parse_reply_read, reply_read
+from batchery.batching.reply_lists import (Popped, parse_reply_read, reply_read, unmark_in,
+                                           waiting_in)
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import Request
@@ -151,14 +152,13 @@ class ProducerCalls(ShardLayout):
         any shard: what it left, the reaper has yet to keep under the result keys
         (RequestQueue.drain_readers)."""
         pipe = self.client.pipeline(transaction=False)
-        for k in (self._shard_at(t).keys for t in tags):
-            pipe.exists(k.reply(client_id), k.inbox(client_id, 0), k.inbox(client_id, 1))
+        own = waiting_in(pipe, [self._shard_at(t).keys for t in tags], client_id)
         for q in self.shards if others else ():
             pipe.smembers(q.keys.readers)
         found = pipe.execute()
-        if any(found[:len(tags)]) or not others:
-            return any(found[:len(tags)])
-        listed = [(q.keys, c) for q, members in zip(self.shards, found[len(tags):])
+        if any(found[:own]) or not others:
+            return any(found[:own])
+        listed = [(q.keys, c) for q, members in zip(self.shards, found[own:])
                   for c in members if c != client_id]
         pipe = self.client.pipeline(transaction=False)
         for k, client in listed:
@@ -170,9 +170,7 @@ class ProducerCalls(ShardLayout):
         (results are kept under their keys again); what its lists still hold the reaper
         keeps under the keys (lua/drain.lua)."""
         pipe = self.client.pipeline(transaction=False)
-        for k in (self._shard_at(t).keys for t in tags):
-            pipe.delete(k.inbox(client_id, 1 - parity))
-            pipe.delete(k.reader(client_id))
+        unmark_in(pipe, [self._shard_at(t).keys for t in tags], client_id, parity)
         pipe.execute()
 
     def active_ids(self, match: str, count: int = 1000) -> list[str]:
