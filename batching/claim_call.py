@@ -100,10 +100,16 @@ def claim_payload_ids(reply: list[Any]) -> list[str]:
     and then the ones handed ahead (lua/claim.lua: a value a script reads costs Redis about
     three times a plain read's)."""
     if int(reply[1]) == TO_PRICE:
-        return list(reply[3:])
+        return lines(reply[3])
     if len(reply) == 3:
         return []
-    return [*reply[4], *reply[7]]
+    return [*lines(reply[4]), *lines(reply[7])]
+
+
+def lines(text: str) -> list[str]:
+    """One of the claim's joined lists (ids or entries, newline-free: lua/claim.lua
+    reply_for) as its items; none for ''."""
+    return text.split("\n") if text else []
 
 
 def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> dict[int, Any]:
@@ -117,7 +123,7 @@ def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> 
     if not ahead or len(reply) == 3 or int(reply[1]) == TO_PRICE:
         return {}
     out = {}
-    for n, (request_id, sched) in enumerate(zip(reply[4], reply[5])):
+    for n, (request_id, sched) in enumerate(zip(lines(reply[4]), reply[5].split("\n"))):
         got = ahead.get(request_id)
         if got is not None and sched and enqueued_before(sched, got[1]):
             out[n] = got[0]
@@ -139,14 +145,15 @@ def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) ->
     (taken and finished by another worker since) is left out."""
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
     if wait_ms == TO_PRICE:
-        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
-                                               for i, p in zip(reply[3:], payloads, strict=True)])
+        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p)) for i, p
+                                               in zip(lines(reply[3]), payloads, strict=True)])
     if len(reply) == 3:  # nothing leased
         return ClaimReply(now_ms, wait_ms)
     head = int(reply[3])  # the rank the batch was chosen against
-    # each list an array of the reply; attempts empty when no request has failed
-    ids, scheds, failures, ahead = reply[4:8]
-    n = len(ids)
+    # ids, entries ('': none readable) and ahead ids joined; attempts an array, empty
+    # when no request has failed
+    ids, scheds, ahead = lines(reply[4]), reply[5].split("\n"), lines(reply[7])
+    failures, n = reply[6], len(ids)
     claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
                in zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True)]
     priced_ahead = zip(ahead, payloads[n:], strict=True)

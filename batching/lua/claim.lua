@@ -34,9 +34,10 @@
 --         split by a pattern, which runs per character; ids that are the candidates' own,
 --         in line (a worker's next batch, as a claim handed it ahead), are matched to them
 --         by place, not looked up one by one (below).
--- Returns {now_ms, wait_ms, n_expired, head_rank, {ids}, {scheds}, {attempts}, {ahead_ids}}
---   when it leased something, each list an array of the reply ({attempts} empty when no
---   request has failed). The requests' payloads are not in it: the caller reads them
+-- Returns {now_ms, wait_ms, n_expired, head_rank, ids, scheds, {attempts}, ahead_ids}
+--   when it leased something: ids, scheds (each id's entry, '' for one without a readable
+--   entry) and ahead_ids each one text, joined by newlines (reply_for); {attempts} an
+--   array, empty when no request has failed. The requests' payloads are not in it: the caller reads them
 --   after, with one plain HMGET of `requests` for the ids and the ahead ids (a request
 --   leased stays held; one handed ahead may be gone by then, and is left out). A value
 --   read by a script is made a Lua string and written out again: it costs Redis about
@@ -51,7 +52,7 @@
 --   much longer, or the earliest retry is due in that many ms (nothing else claimed);
 --   wait_ms = -1: nothing is pending or waiting to be retried. A paused queue answers
 --   {now_ms, PAUSED_WAIT_MS, 0}: nothing claimed, ask again later.
---   wait_ms = -2: nothing claimed; {now_ms, -2, 0, id...}: the candidates priced by
+--   wait_ms = -2: nothing claimed; {now_ms, -2, 0, "id\nid..."}: the candidates priced by
 --   estimate (their payloads read by the caller, as above): count them, claim again with
 --   the counts.
 -- Fair share (docs/fair-share.md): the class of the most urgent pending request is
@@ -154,17 +155,21 @@ local function rate_charge(tenant, tokens)
 end
 
 -- The reply: {now, wait, n_expired, head_rank, ids, scheds, attempts, ahead ids} for
--- out_ids, the expired ones first; scheds: their entries when the caller holds them
--- already. Each list is an array of the reply (nested), as read or built: no value is
--- copied into a flat reply per request. No payload: the caller reads them with a plain
--- HMGET (the header).
--- (attempts are read only when some request has failed: HLEN, once per claim; else {})
-local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead)
+-- out_ids, the expired ones first; scheds: their entries ('' for one handed over without
+-- it), the caller's own when it holds them already (`ids`: out_ids joined, when built).
+-- The ids, the entries and the ahead ids are one text each, joined by newlines (ids and
+-- entries hold none: batching/request.py check_name, read_entry): a value of a script's
+-- reply costs Redis several times its bytes joined into one, some 1.2k instructions
+-- each. attempts stays an array (false: none), read only when some request has failed
+-- (HLEN, once per claim; else {}). No payload: the caller reads them with a plain HMGET
+-- (the header).
+local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead, ids)
   if #out_ids == 0 then return {now, wait, 0} end
   local failed = rcall('HLEN', K.attempts) > 0
-  return {now, wait, n_expired, head_rank or 0, out_ids,
-          scheds or rcall('HMGET', K.sched, unpack(out_ids)),
-          failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {}, ahead or {}}
+  return {now, wait, n_expired, head_rank or 0, ids or table.concat(out_ids, '\n'),
+          table.concat(scheds, '\n'),
+          failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {},
+          table.concat(ahead or {}, '\n')}
 end
 
 -- A candidate's entry split off its tail (_common.lua split_entry), each distinct tail
@@ -184,9 +189,11 @@ local function read_entry(raw)
   local e = NOT_AN_ENTRY
   if tokens then
     local t = tail_of[tail]
-    if t == nil then  -- the tail read once, by the one rule (parse_sched)
+    if t == nil then  -- the tail read once, by the one rule (parse_sched); none holds a
+      -- newline, so the reply can join the entries by them (reply_for)
       local s = parse_sched('0' .. tail)
-      t = not s.unreadable and {s.expire, s.enq, s.rank - s.enq, {}, s} or false
+      t = not s.unreadable and not string.find(tail, '\n', 1, true)
+          and {s.expire, s.enq, s.rank - s.enq, {}, s} or false
       tail_of[tail] = t
     end
     if t then e = {is_estimated, tokens, tail, t} end
@@ -227,7 +234,11 @@ local function leased_reply(wait, ids, n_expired, n_unreadable, head_rank)
     end
   end
   local scheds = #out_ids > 0 and rcall('HMGET', K.sched, unpack(out_ids)) or {}
-  for n in pairs(unreadable_at) do scheds[n] = false end
+  for n, raw in ipairs(scheds) do  -- (one damaged since: not readable now either)
+    if unreadable_at[n] or not raw or not (entry_of[raw] or read_entry(raw))[4] then
+      scheds[n] = ''
+    end
+  end
   return reply_for(wait, out_ids, n_out_expired, scheds, head_rank)
 end
 
@@ -610,9 +621,7 @@ end
 if price_estimates and n_estimated > 0 then
   if in_line then counted_by_id(ids) end
   write_counts()
-  local reply = {now, -2, 0}
-  for n, id in ipairs(estimated) do reply[3 + n] = id end
-  return reply
+  return {now, -2, 0, table.concat(estimated, '\n')}  -- (n_estimated > 0: not '')
 end
 
 -- The live candidates by length, built once (not when alike: below): of_length[l] the
@@ -767,7 +776,7 @@ else  -- the unreadable ones (after the expired) go without their entries, and u
   local settle_ids, settle_scheds, n_settle = {}, {}, 0
   for n, id in ipairs(out_ids) do
     if n > n_expired and n <= n_expired + n_unreadable then
-      out_scheds[n] = false
+      out_scheds[n] = ''
     else
       n_settle = n_settle + 1
       settle_ids[n_settle], settle_scheds[n_settle] = id, out_scheds[n]
@@ -831,4 +840,4 @@ if price_estimates and (n_priced > 0 or plan_estimated) and not planned then
     end
   end
 end
-return reply_for(wait, out_ids, n_expired, out_scheds, head_rank, ahead)
+return reply_for(wait, out_ids, n_expired, out_scheds, head_rank, ahead, leased)
