@@ -23,6 +23,7 @@ from batchery.batching.request import DEFAULT_TENANT, Request, first_send
 from batchery.batching.pricing import estimate_tokens
 from batchery.batching.scripts import FIXED_KEYS
 from batchery.batching.settings import DEFAULTS
+from batchery.connection import ENCODING_ERRORS
 from batchery.errors import InvalidRequest, QueueFull, RequestTooLarge, ShardsChanged
 
 log = logging.getLogger(__name__)
@@ -199,26 +200,36 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
                   clients: Sequence[str], keyed: bool = True) -> Call:
     """The complete script's KEYS and ARGV: (id, lease token, result JSON) items, each
     with its client (see lua/complete.lua). ``keyed``: each id sent in its result key,
-    declared; else in ARGV, no result key declared (refused with KEYS_NEEDED when a result
-    would be stored under its key)."""
+    declared, and each result a value; else the ids in ARGV, no result key declared
+    (refused with KEYS_NEEDED when a result would be stored under its key), and each run's
+    results one text, a line each (pushed as one reply-list entry: reply_lists.py)."""
     args: list[Any] = [k.result_prefix, k.reply_prefix, DEFAULTS.result_ttl,
                        ",".join(f"{name}={n}" for name, n in totals.items() if n),
                        int(DEFAULTS.delete_delivered), int(keyed)]
-    run = -1  # where the current run's count is in args: a run shares a token and a client
+    runs: list[tuple[str, str, list[str], list[str | bytes]]] = []  # a token and a client each
     for (request_id, token, result), client in zip(items, clients, strict=True):
-        if run < 0 or args[run - 2] != token or args[run - 1] != client:
-            args += (token, client, 0)
-            run = len(args) - 1
-        args[run] += 1
-        if not keyed:
-            args.append(request_id)
-        args.append(result)
+        if not runs or runs[-1][0] != token or runs[-1][1] != client:
+            runs.append((token, client, [], []))
+        runs[-1][2].append(request_id)
+        runs[-1][3].append(result)
+    for token, client, ids, results in runs:
+        args += (token, client, len(ids))
+        args += results if keyed else [*ids, one_line_each(results)]
     ids = [i[0] for i in items] if keyed else []
     return Call([*fixed_keys(k, "complete", call=k.call(new_call_id())),
                  *declared_keys(k, ids, clients)], args)
 
 
 KEYS_NEEDED = "keys"  # a keyless commit's answer when a result must be stored under its key
+
+
+def one_line_each(results: Sequence[str | bytes]) -> str | bytes:
+    """Result JSONs as one text, a line each. A newline in a JSON text can only be
+    whitespace (a string holds it escaped), so one there goes as a space: the same JSON."""
+    if any(isinstance(r, bytes) for r in results):
+        return b"\n".join((r if isinstance(r, bytes) else r.encode("utf-8", ENCODING_ERRORS)).replace(b"\n", b" ")
+                           for r in results)
+    return "\n".join(r.replace("\n", " ") for r in results)
 
 
 def fail_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]],

@@ -24,7 +24,7 @@ from batchery.batching.claim_call import (ClaimReply, claim_call, claim_payload_
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
-from batchery.batching.reply_lists import entry_id, keep_in
+from batchery.batching.reply_lists import entry_id, keep_in, results_in
 from batchery.batching.request import Request
 from batchery.batching.scripts import Scripts, refined
 from batchery.batching.settings import QueueSettings
@@ -140,7 +140,8 @@ class RequestQueue(QueueInspection):
         """Up to ``most`` results taken off a client's reply list, no reader marked (the
         commits keep them under their keys too): a look at a list for tools and tests;
         clients read theirs with ShardedQueue.pop_replies."""
-        return Result.from_json_many(self.client.lpop(self.keys.reply(client_id), most) or [])
+        return Result.from_json_many(results_in(self.client.lpop(self.keys.reply(client_id), most)
+                                                or []))
 
     def keep_results(self, results: Sequence[Result]) -> None:
         """Store results under their keys for result_ttl: those a reader popped from a
@@ -347,7 +348,7 @@ class RequestQueue(QueueInspection):
         lists = pipe.execute()
         kept = 0
         for n, client in enumerate(stopped):
-            entries = [e for found in lists[3 * n:3 * n + 3] for e in found]
+            entries = results_in([e for found in lists[3 * n:3 * n + 3] for e in found])
             ids = [i for i in map(entry_id, entries) if i is not None]
             kept += max(0, int(self._run("drain", drain_call(k, client, ids))))
         return kept

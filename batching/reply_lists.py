@@ -137,9 +137,24 @@ def parse_reply_read(replies: list[Any], deletes: int, shards: int,
     if errors:
         log.warning("part of a reply list read failed (%s); what it read is delivered",
                     errors[0])
+    raws = results_in(raws)
     kept = [raw for raw in raws if is_kept(raw)]
     return Popped(Result.from_json_many(raws),
                   frozenset(r.id for r in Result.from_json_many(kept)) if kept else frozenset())
+
+
+def results_in(entries: Sequence[Any]) -> list[Any]:
+    """The result JSONs of reply-list entries, in order: an entry led by KEPT holds one;
+    any other one or more, a line each (a commit's results for one client pushed as one
+    entry: lua/complete.lua)."""
+    out: list[Any] = []
+    for entry in entries:
+        newline = "\n" if isinstance(entry, str) else b"\n"
+        if newline in entry and not is_kept(entry):
+            out += entry.split(newline)
+        else:
+            out.append(entry)
+    return out
 
 
 def is_kept(entry: str | bytes) -> bool:

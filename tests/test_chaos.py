@@ -19,6 +19,7 @@ from batchery import Client
 from batchery.batching.messages import Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
+from batchery.batching.reply_lists import results_in
 from batchery.connection import RedisSettings
 from tests.conftest import RedisServer, start_worker, stop_process, wait_for
 from tests.proxy import FaultyProxy
@@ -111,7 +112,7 @@ def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_p
         seconds = time.monotonic() - started
         results = referee.results(ids)
         commits = Counter(Result.from_json(j).id
-                          for j in raw.lrange(referee.keys.reply(OBSERVER), 0, -1))
+                          for j in results_in(raw.lrange(referee.keys.reply(OBSERVER), 0, -1)))
         stats = referee.stats()
     finally:
         for w in workers:

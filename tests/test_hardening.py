@@ -18,7 +18,7 @@ from batchery.batching.calls import Call, Reaped, complete_call, enqueue_call
 from batchery.batching.claim_call import claim_call, packed_array
 from batchery.batching.async_queue import AsyncRequestQueue
 from batchery.batching.queue import RequestQueue
-from batchery.batching.reply_lists import READER_LIVE_MS
+from batchery.batching.reply_lists import READER_LIVE_MS, results_in
 from batchery.batching.scripts import FIXED_KEYS, NAMES, NOSCRIPT_TRIES, Scripts, helpers_for, source
 from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
@@ -265,7 +265,8 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     batch = [r for r in queue.claim("w#2", 10, 10_000, 0, 10).batch if r.client == "c2"]
     assert queue.complete([(r.id, r.lease_token, Result(r.id, "ok", 1).to_json()) for r in batch],
                           {"requests": 2}, [r.client for r in batch]) == [True, True]
-    assert queue.client.llen(queue.keys.reply("c2")) == 2 and "c2" not in queue.keyed_clients
+    assert len(results_in(queue.client.lrange(queue.keys.reply("c2"), 0, -1))) == 2
+    assert "c2" not in queue.keyed_clients
 
 
 @pytest.mark.parametrize("end", ["first", "last"])

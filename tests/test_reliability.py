@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from batchery import Client, Result
 from batchery.batching.request import Request
 from batchery.batching.queue import RequestQueue
+from batchery.batching.reply_lists import results_in
 from tests import runners
 from tests.conftest import RedisServer, run_cli, start_worker, stop_process, wait_for
 from tests.test_client import BackgroundWorker
@@ -34,7 +35,8 @@ def enqueue_observed(queue: RequestQueue, inputs: list, **fields) -> list[str]:
 
 
 def pushed_results(queue: RequestQueue) -> list[Result]:
-    return [Result.from_json(raw) for raw in queue.client.lrange(queue.keys.reply(OBSERVER), 0, -1)]
+    return [Result.from_json(raw)
+            for raw in results_in(queue.client.lrange(queue.keys.reply(OBSERVER), 0, -1))]
 
 
 def all_done(queue: RequestQueue, ids: list[str]) -> bool:

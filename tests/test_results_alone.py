@@ -25,8 +25,8 @@ from batchery.batching.calls import complete_call, drain_call
 from batchery.batching.keys import Keys
 from batchery.batching.queue import RequestQueue
 from batchery.batching.reply_lists import (READER_LIVE_MS, Popped, ReadState, UnreadableRead,
-                                           parse_reply_read, reply_read, to_delete,
-                                           unreached)
+                                           parse_reply_read, reply_read, results_in,
+                                           to_delete, unreached)
 from batchery.batching.request import Request
 from batchery.batching.settings import DEFAULTS
 from tests.conftest import examples, start_worker, stop_process, wait_for
@@ -69,8 +69,10 @@ def test_a_commit_skips_the_result_key_only_for_a_reader_reading_alone(
     assert committed(queue, claimed) == [True] * n
     alone = client == "c1" and mark == "1" and delete_delivered
     assert rconn.exists(*(k.result(r.id) for r in claimed)) == (0 if alone else n)
-    entries = rconn.lrange(k.reply("c1"), 0, -1)
+    raw = rconn.lrange(k.reply("c1"), 0, -1)
+    entries = results_in(raw)
     if client:
+        assert len(raw) == (1 if alone else n)  # pushed alone: one entry, a line each
         assert [Result.from_json(e).id for e in entries] == [r.id for r in claimed]
         assert all(e.startswith(" ") != alone for e in entries)  # KEPT: under its key too
         assert rconn.llen(k.bell("c1")) == (1 if mark is not None else 0)  # rung while marked
@@ -117,8 +119,11 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
         assert rconn.exists(k.result(r.id)) == (0 if alone else 1)
     assert queue.stats()["totals"]["requests"] == len(claimed)  # counted once
     for client in clients[:len(marks)]:
-        entries = rconn.lrange(k.reply(client), 0, -1)
+        raw = rconn.lrange(k.reply(client), 0, -1)
+        entries = results_in(raw)
         assert len(entries) == n and all(e.startswith(" ") == (client in keyed) for e in entries)
+        # a keyless commit pushes a client's results as one entry, a line each; keyed, one each
+        assert len(raw) == (1 if calls == [False] else n)
     if keyed and not unclaimed:  # learned: the next commit of a keyed client goes keyed
         again = enqueued(queue, 1, sorted(keyed)[0])
         calls.clear()
@@ -133,6 +138,42 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
         assert calls == [False] and rconn.exists(k.result(later[0].id)) == 0
 
 
+@settings(max_examples=examples(25), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(runs=st.lists(st.tuples(st.sampled_from(["c0", "c1", "c2"]), st.integers(1, 4)),
+                     min_size=1, max_size=4),
+       lost=st.sets(st.integers(0, 15)), outputs=st.lists(st.text(), min_size=16, max_size=16),
+       spaced=st.booleans())
+def test_what_a_keyless_commit_pushes_reaches_each_reader_once_in_order(
+        rconn: redis.Redis, runs: list[tuple[str, int]], lost: set[int], outputs: list[str],
+        spaced: bool) -> None:
+    """A keyless commit pushes each run (a lease and a client) held whole as one entry, a
+    result a line, and a run held in part (some of its requests cancelled since the claim)
+    as the results still held: whatever the runs, outputs (newlines and all) and JSON
+    spacing, each reader reads exactly its committed results, in the order committed, and
+    nothing of a request whose lease was lost."""
+    queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
+    for client in ("c0", "c1", "c2"):
+        rconn.set(queue.keys.reader(client), "1", px=READER_LIVE_MS)
+    claimed = [r for client, n in runs for r in enqueued(queue, n, client)]
+    gone = [r.id for i, r in enumerate(claimed) if i in lost]
+    queue.cancel(gone)
+    results = [Result(r.id, "ok", outputs[i % 16]) for i, r in enumerate(claimed)]
+    # a JSON with whitespace between its tokens (a newline too) is the same JSON
+    texts = [r.to_json().replace('","', '",\n "') if spaced else r.to_json() for r in results]
+    flags = queue.complete([(r.id, r.lease_token, t) for r, t in zip(claimed, texts)],
+                           {"requests": len(claimed)}, [r.client for r in claimed])
+    assert flags == [r.id not in gone for r in claimed]
+    for client in ("c0", "c1", "c2"):
+        got = Result.from_json_many(results_in(rconn.lrange(queue.keys.reply(client), 0, -1)))
+        mine = [r.id for r in claimed if r.client == client]
+        # the cancel pushed its own results first; then the commit, in order
+        assert [x.id for x in got if x.status == "cancelled"] == [i for i in mine if i in gone]
+        assert [x for x in got if x.status != "cancelled"] == [
+            x for r, x in zip(claimed, results) if r.client == client and r.id not in gone]
+    assert not any(rconn.exists(queue.keys.result(r.id)) for r in claimed if r.id not in gone)
+
+
 @pytest.mark.parametrize("keyed", [True, False])
 def test_a_replayed_commit_gets_its_first_reply_and_adds_nothing(
         rconn: redis.Redis, queue_name: str, keyed: bool) -> None:
@@ -145,7 +186,7 @@ def test_a_replayed_commit_gets_its_first_reply_and_adds_nothing(
     # the connection retries after the reply was lost: no key to find the results by
     assert queue.scripts.complete(call.keys, call.args) == "111"
     assert queue.stats()["totals"]["requests"] == 3
-    assert rconn.llen(queue.keys.reply("c1")) == 3
+    assert len(results_in(rconn.lrange(queue.keys.reply("c1"), 0, -1))) == 3
 
 
 def test_the_reaper_keeps_under_their_keys_what_a_stopped_reader_left(
@@ -164,7 +205,8 @@ def test_the_reaper_keeps_under_their_keys_what_a_stopped_reader_left(
     assert queue.drain_readers() == 0  # the reader's mark is live: nothing is touched
     # nor by the script, the reader back between the reaper's look and its call
     assert queue.scripts.drain(*drain_args(queue, [r.id for r in first + second])) == 0
-    assert rconn.llen(k.reply("c1")) == 2 and rconn.llen(k.inbox("c1", 1)) == 3
+    assert [len(results_in(rconn.lrange(key, 0, -1))) for key in (k.reply("c1"), k.inbox("c1", 1))
+            ] == [2, 3]
 
     rconn.delete(k.reader("c1"))  # its mark lapses
     third = enqueued(queue, 2, "c1")

@@ -7,24 +7,27 @@
 -- ARGV[1] result key prefix   ARGV[2] reply list prefix   ARGV[3] default result_ttl
 -- ARGV[4] totals to add to stats, "name=n,name=n" (requests, batches, tokens, ...)
 -- ARGV[5] default delete_delivered (1 or 0)
--- ARGV[6] 1: keyed, as above; 0: keyless, no result key declared and each result JSON led
---         by its id in ARGV (a key a request fewer: a commit whose results all go to reply
---         lists alone touches none). A keyless call that would store a result under its key
+-- ARGV[6] 1: keyed, as above; 0: keyless, no result key declared, each run's ids in ARGV
+--         and its results one text (a key a request fewer: a commit whose results all go
+--         to reply lists alone touches none). A keyless call that would store a result under its key
 --         (one of no client, or of a client whose results are not listed alone) is refused
 --         whole, writing nothing: it returns KEYS_NEEDED and those clients, a line each
 --         ("keys\nclient..."), and its caller sends it keyed.
 -- ARGV[7..] runs of requests that share a lease token and a client: the token, the client
 --         whose reply list gets their results ('' for none; the claim handed it to the
---         worker with the request), their count k, then k result JSONs (keyless: k pairs,
---         id and result JSON) (batching/calls.py complete_call: one run for a batch of one
---         claim and one client)
+--         worker with the request), their count k, then k result JSONs (keyless: k ids,
+--         then their k result JSONs joined by newlines, which no JSON of a result holds:
+--         batching/calls.py complete_call) (one run for a batch of one claim and one client)
 -- A result goes to its client's reply list alone while that client's reader reads it
 -- alone (its mark is "1": batching/keys.py reader_prefix) and the queue deletes delivered
 -- results: the reader takes it within a read, and a key written to be deleted a moment
 -- later was a sixth of what a request cost Redis. Else it is kept under its key for
 -- result_ttl too, and pushed marked as kept there (KEPT: the reader deletes it once
 -- delivered). What a reader that stopped leaves on its list is kept under the keys then,
--- by the reaper (drain.lua).
+-- by the reaper (drain.lua). A keyless run whose lease is held whole is pushed as the one
+-- text it came in: one list entry for its k results (a reader splits an entry at its
+-- newlines: batching/reply_lists.py), not k, each of which cost the script a value in,
+-- a value pushed and a value read back.
 -- Returns "c1..cN", one text of a digit a request (as enqueue's): 1 committed; 0 discarded
 --   because this claim no longer holds the lease (it expired and was taken over, or the
 --   request was cancelled); or KEYS_NEEDED (above).
@@ -39,12 +42,14 @@ local ttl_s = fmt_int(ttl)  -- formatted once, not per SET
 local lists_alone = setting(K.settings, 'delete_delivered', tonumber(ARGV[5])) == 1
 local KEYS_NEEDED = 'keys'
 local keyed = ARGV[6] == '1'
-local step = keyed and 1 or 2  -- ARGV values a request: its JSON, keyless its id first
+local function run_length(k)  -- ARGV values a run of k takes: keyed its JSONs, keyless its
+  return keyed and 3 + k or 4 + k  -- ids and their joined JSONs
+end
 local FIRST_RUN = 7
 local n, a, n_args = 0, FIRST_RUN, #ARGV
 while a <= n_args do
   local k = tonumber(ARGV[a + 2])
-  n, a = n + k, a + 3 + step * k
+  n, a = n + k, a + run_length(k)
 end
 if n == 0 then return '' end
 -- keyed, the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py
@@ -59,10 +64,10 @@ while a <= n_args do
   of_token[token] = mine
   local m = #mine
   if not keyed then
-    for j = 1, k do ids[i + j] = ARGV[a + 1 + 2 * j] end
+    for j = 1, k do ids[i + j] = ARGV[a + 2 + j] end
   end
   for j = 1, k do mine[m + j] = ids[i + j] end
-  i, a = i + k, a + 3 + step * k
+  i, a = i + k, a + run_length(k)
 end
 
 declare_only(FIXED + (keyed and n or 0) + 1)  -- the reply lists (the result keys: by position)
@@ -85,7 +90,7 @@ if not keyed then  -- every result must go to a reply list alone, or none is com
       listed[client] = true
       needed[#needed + 1] = client
     end
-    a = a + 3 + 2 * tonumber(ARGV[a + 2])
+    a = a + run_length(tonumber(ARGV[a + 2]))
   end
   if #needed > 0 then return KEYS_NEEDED .. '\n' .. table.concat(needed, '\n') end
 end
@@ -99,6 +104,14 @@ for token, mine in pairs(of_token) do
   if leased == table.concat(mine, '\n') then holds[token] = true
   else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
+-- A keyless run's k results, cut from their joined text (a run held in part: its lease lost
+-- for some); refused whole, before anything is written, unless they are k.
+local function joined_results(text, k)
+  local results, n = {}, 0
+  for json in string.gmatch(text, '[^\n]+') do n = n + 1; results[n] = json end
+  if n ~= k then error('batchery: complete needs a run\'s ' .. k .. ' results joined by newlines') end
+  return results
+end
 local done, flags, replies = {}, {}, {}
 local d = 0
 i, a = 0, FIRST_RUN
@@ -108,15 +121,21 @@ while a <= n_args do
   if jsons then replies[client] = jsons end
   local alone = jsons and list_alone(client)
   local held = holds[token]
+  local joined = not keyed and ARGV[a + 3 + k]  -- (keyless: alone, as checked above)
+  local whole = joined and held == true
+  if whole then jsons[#jsons + 1] = joined end  -- pushed as it came: one entry
+  local results = joined and not whole and joined_results(joined, k) or nil
   a = a + 3
-  for _ = 1, k do
+  for j = 1, k do
     i = i + 1
-    local json, key = ARGV[a + step - 1], keyed and KEYS[FIXED + i] or nil  -- (none stored)
     if held == true or held[ids[i]] then
-      if alone then jsons[#jsons + 1] = json
-      else
-        rcall('SET', key, json, 'EX', ttl_s)
-        if jsons then jsons[#jsons + 1] = KEPT .. json end
+      if not whole then
+        local json = keyed and ARGV[a + j - 1] or results[j]
+        if alone then jsons[#jsons + 1] = json
+        else  -- (keyed: a keyless call is alone)
+          rcall('SET', KEYS[FIXED + i], json, 'EX', ttl_s)
+          if jsons then jsons[#jsons + 1] = KEPT .. json end
+        end
       end
       d = d + 1
       done[d] = ids[i]
@@ -125,8 +144,8 @@ while a <= n_args do
     else
       flags[i] = '0'
     end
-    a = a + step
   end
+  a = a + run_length(k) - 3
 end
 for client, jsons in pairs(replies) do  -- a client none of whose results counted: no push
   if #jsons == 0 then replies[client] = nil end

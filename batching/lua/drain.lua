@@ -8,8 +8,9 @@
 -- (complete.lua); once the mark lapsed (the client closed, or died), what the list and
 -- the inboxes of its last reads still hold nobody will read: each result pushed alone is
 -- stored under its key for result_ttl, as a commit stores any other, and the lists go.
--- An entry marked KEPT is under its key already; one that is no result JSON with an id
--- (not a worker's) cannot be stored by id and goes with the lists.
+-- An entry marked KEPT is under its key already; any other holds one result JSON or more,
+-- a line each (a commit's run pushed whole: complete.lua); one that is no result JSON with
+-- an id (not a worker's) cannot be stored by id and goes with the lists.
 -- Returns the results stored; 0 with nothing done while the mark is set again (the
 -- reader is back); -1 with nothing done when a result's key was not declared (pushed
 -- after the caller read: it reads again).
@@ -21,13 +22,13 @@ declare_only(FIXED + 6)
 local keep = {}
 for _, key in ipairs(lists) do
   for _, entry in ipairs(rcall('LRANGE', key, 0, -1)) do
-    if string.sub(entry, 1, 1) ~= KEPT then
-      local ok, result = pcall(cjson.decode, entry)
+    for json in string.gmatch(string.sub(entry, 1, 1) ~= KEPT and entry or '', '[^\n]+') do
+      local ok, result = pcall(cjson.decode, json)
       local id = ok and type(result) == 'table' and result.id
       if type(id) == 'string' then
         local rkey = result_prefix .. id
         if not DECLARED[rkey] then return -1 end
-        keep[#keep + 1] = {rkey, entry}
+        keep[#keep + 1] = {rkey, json}
       end
     end
   end
