@@ -211,7 +211,7 @@ def complete_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]], totals
         if not runs or runs[-1][0] != token or runs[-1][1] != client:
             runs.append((token, client, [], []))
         runs[-1][2].append(request_id)
-        runs[-1][3].append(result)
+        runs[-1][3].append(one_line(result))
     for token, client, ids, results in runs:
         args += (token, client, len(ids))
         args += results if keyed else [*ids, one_line_each(results)]
@@ -224,12 +224,22 @@ KEYS_NEEDED = "keys"  # a keyless commit's answer when a result must be stored u
 
 
 def one_line_each(results: Sequence[str | bytes]) -> str | bytes:
-    """Result JSONs as one text, a line each. A newline in a JSON text can only be
-    whitespace (a string holds it escaped), so one there goes as a space: the same JSON."""
+    """Result JSONs (one_line) as one text, a line each."""
     if any(isinstance(r, bytes) for r in results):
-        return b"\n".join((r if isinstance(r, bytes) else r.encode("utf-8", ENCODING_ERRORS)).replace(b"\n", b" ")
+        return b"\n".join(r if isinstance(r, bytes) else r.encode("utf-8", ENCODING_ERRORS)
                            for r in results)
-    return "\n".join(r.replace("\n", " ") for r in results)
+    return "\n".join(results)  # type: ignore[arg-type]
+
+
+def one_line(result: str | bytes) -> str | bytes:
+    """A result JSON as a reply list holds it: on one line, not led by a space (KEPT, its
+    mark of a result kept under its key: lua/_common.lua). A newline in a JSON text, or
+    a space before it, can only be whitespace (a string holds a newline escaped): the
+    same JSON. A worker's own (Result.to_json) is so already, and passes as it is."""
+    newline, space = ("\n", " ") if isinstance(result, str) else (b"\n", b" ")
+    if newline in result or result[:1].isspace():
+        return result.replace(newline, space).strip()  # type: ignore[arg-type]
+    return result
 
 
 def fail_call(k: Keys, items: Sequence[tuple[str, str, str | bytes]],

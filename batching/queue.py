@@ -137,8 +137,9 @@ class RequestQueue(QueueInspection):
         return parse_lookup(self._run("lookup", lookup_call(self.keys, ids)), ids)
 
     def pop_replies(self, client_id: str, most: int) -> list[Result]:
-        """Up to ``most`` results taken off a client's reply list, no reader marked (the
-        commits keep them under their keys too): a look at a list for tools and tests;
+        """The results of up to ``most`` entries taken off a client's reply list (an entry
+        of a keyless commit holds a run's), no reader marked (the commits keep them under
+        their keys too): a look at a list for tools and tests;
         clients read theirs with ShardedQueue.pop_replies."""
         return Result.from_json_many(results_in(self.client.lpop(self.keys.reply(client_id), most)
                                                 or []))

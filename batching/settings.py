@@ -16,7 +16,7 @@ DEFAULT_CLASS_DELAYS: dict[str, float] = {"realtime": 0.0, "normal": 5.0, "batch
 # A priority class name: lowercase, and never a word Lua or Python reads as a number
 # (inf, infinity, nan), so a name is never taken for a delay. The Lua side reads only
 # digits as a delay (lua/enqueue.lua); everything else is looked up as a class.
-CLASS_NAME = re.compile(r"^(?!(?:inf|infinity|nan)$)[a-z][a-z0-9_-]{0,31}$")
+CLASS_NAME = re.compile(r"^(?!(?:inf|infinity|nan)\Z)[a-z][a-z0-9_-]{0,31}\Z")  # (\Z: no "x\n")
 
 @dataclass(frozen=True)
 class QueueSettings:

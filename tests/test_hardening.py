@@ -37,7 +37,8 @@ def fail_all(queue: RequestQueue, claimed: list) -> list[int]:
         "type": "RuntimeError", "message": "boom"}).to_json()) for r in claimed])
 
 
-@pytest.mark.parametrize("name", ["inf", "Infinity", "NAN", "nan", "infinity", "-inf"])
+@pytest.mark.parametrize("name", ["inf", "Infinity", "NAN", "nan", "infinity", "-inf", "normal\n",
+                                  "inf\n"])
 def test_number_words_are_no_priority_class(name: str, redis_url: str, queue_name: str) -> None:
     with Client(redis_url, queue=queue_name) as c:
         with pytest.raises(ValueError, match="priority"):

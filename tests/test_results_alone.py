@@ -8,6 +8,7 @@ for a lost request."""
 from __future__ import annotations
 
 import gc
+import json
 import signal
 import subprocess
 import sys
@@ -138,30 +139,42 @@ def test_a_commit_of_several_clients_sends_no_result_key_unless_one_needs_its_ke
         assert calls == [False] and rconn.exists(k.result(later[0].id)) == 0
 
 
+SPACINGS = {  # one result JSON as a caller may send it: the same JSON, spaced otherwise
+    "compact": lambda r: r.to_json(),
+    "newlines": lambda r: r.to_json().replace('","', '",\n "'),
+    "indented": lambda r: json.dumps(r.to_dict(), indent=2),
+    "led": lambda r: "\n  " + r.to_json() + " \n",
+}
+
+
 @settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(runs=st.lists(st.tuples(st.sampled_from(["c0", "c1", "c2"]), st.integers(1, 4)),
                      min_size=1, max_size=4),
+       marks=st.one_of(st.just(["1", "1", "1"]),  # (keyless: half the cases)
+                       st.lists(st.sampled_from([None, "0", "1"]), min_size=3, max_size=3)),
        lost=st.sets(st.integers(0, 15)), outputs=st.lists(st.text(), min_size=16, max_size=16),
-       spaced=st.booleans())
-def test_what_a_keyless_commit_pushes_reaches_each_reader_once_in_order(
-        rconn: redis.Redis, runs: list[tuple[str, int]], lost: set[int], outputs: list[str],
-        spaced: bool) -> None:
-    """A keyless commit pushes each run (a lease and a client) held whole as one entry, a
-    result a line, and a run held in part (some of its requests cancelled since the claim)
-    as the results still held: whatever the runs, outputs (newlines and all) and JSON
-    spacing, each reader reads exactly its committed results, in the order committed, and
-    nothing of a request whose lease was lost."""
+       spacing=st.sampled_from(sorted(SPACINGS)))
+def test_what_a_commit_pushes_reaches_each_reader_once_in_order(
+        rconn: redis.Redis, runs: list[tuple[str, int]], marks: list[str | None], lost: set[int],
+        outputs: list[str], spacing: str) -> None:
+    """A keyless commit (every reader reads alone) pushes each run (a lease and a client)
+    held whole as one entry, a result a line, and a run held in part (some of its
+    requests cancelled since the claim) as the results still held; a keyed one, a result
+    an entry. Whatever the runs, the readers, the outputs (newlines and all) and the JSON's
+    spacing, each reader reads exactly its committed results, in the order committed,
+    nothing of a request whose lease was lost, and a result stored under its key exactly
+    when its reader does not read alone."""
     queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
-    for client in ("c0", "c1", "c2"):
-        rconn.set(queue.keys.reader(client), "1", px=READER_LIVE_MS)
+    for client, mark in zip(("c0", "c1", "c2"), marks):
+        if mark is not None:
+            rconn.set(queue.keys.reader(client), mark, px=READER_LIVE_MS)
     claimed = [r for client, n in runs for r in enqueued(queue, n, client)]
     gone = [r.id for i, r in enumerate(claimed) if i in lost]
     queue.cancel(gone)
     results = [Result(r.id, "ok", outputs[i % 16]) for i, r in enumerate(claimed)]
-    # a JSON with whitespace between its tokens (a newline too) is the same JSON
-    texts = [r.to_json().replace('","', '",\n "') if spaced else r.to_json() for r in results]
-    flags = queue.complete([(r.id, r.lease_token, t) for r, t in zip(claimed, texts)],
+    flags = queue.complete([(r.id, r.lease_token, SPACINGS[spacing](x))
+                            for r, x in zip(claimed, results)],
                            {"requests": len(claimed)}, [r.client for r in claimed])
     assert flags == [r.id not in gone for r in claimed]
     for client in ("c0", "c1", "c2"):
@@ -171,7 +184,12 @@ def test_what_a_keyless_commit_pushes_reaches_each_reader_once_in_order(
         assert [x.id for x in got if x.status == "cancelled"] == [i for i in mine if i in gone]
         assert [x for x in got if x.status != "cancelled"] == [
             x for r, x in zip(claimed, results) if r.client == client and r.id not in gone]
-    assert not any(rconn.exists(queue.keys.result(r.id)) for r in claimed if r.id not in gone)
+    alone = {c for c, mark in zip(("c0", "c1", "c2"), marks) if mark == "1"}
+    for r, x in zip(claimed, results):
+        if r.id not in gone:
+            stored = rconn.get(queue.keys.result(r.id))
+            assert (stored is None) == (r.client in alone)
+            assert stored is None or Result.from_json(stored) == x
 
 
 @pytest.mark.parametrize("keyed", [True, False])

@@ -473,10 +473,11 @@ end
 -- garbage (the results stay readable under their own keys for the result TTL).
 local REPLY_TTL = 3600
 
--- A reply list's entry is a result JSON; one led by KEPT (a space, which JSON reads past)
--- is kept under its result key too, which its reader deletes once it delivered it where
--- the queue deletes delivered results (an entry without it was pushed onto the list alone:
--- complete.lua).
+-- A reply list's entry is a result JSON led by KEPT (a space, which JSON reads past): kept
+-- under its result key too, which its reader deletes once it delivered it where the queue
+-- deletes delivered results; or, pushed onto the list alone (complete.lua), one result
+-- JSON or more, a line each (no result JSON holds a newline or starts with a space:
+-- batching/calls.py one_line).
 local KEPT = ' '
 
 -- The keys of a client's reader beside its reply list (batching/keys.py): its mark
@@ -495,7 +496,7 @@ end
 
 -- Push results to their clients' reply lists: one RPUSH and one EXPIRE per client, and
 -- a ring of its bell while its reader is there. by_client: client id -> list of entries
--- (result JSON, KEPT or not), in commit order; marks: client -> its reader mark, where
+-- (KEPT or not, above), in commit order; marks: client -> its reader mark, where
 -- the caller read it.
 local function push_replies(reply_prefix, by_client, ttl, marks)
   for client, jsons in pairs(by_client) do

@@ -16,8 +16,8 @@
 -- ARGV[7..] runs of requests that share a lease token and a client: the token, the client
 --         whose reply list gets their results ('' for none; the claim handed it to the
 --         worker with the request), their count k, then k result JSONs (keyless: k ids,
---         then their k result JSONs joined by newlines, which no JSON of a result holds:
---         batching/calls.py complete_call) (one run for a batch of one claim and one client)
+--         then their k result JSONs joined by newlines (none holds one: batching/calls.py
+--         one_line) (one run for a batch of one claim and one client)
 -- A result goes to its client's reply list alone while that client's reader reads it
 -- alone (its mark is "1": batching/keys.py reader_prefix) and the queue deletes delivered
 -- results: the reader takes it within a read, and a key written to be deleted a moment
@@ -104,11 +104,18 @@ for token, mine in pairs(of_token) do
   if leased == table.concat(mine, '\n') then holds[token] = true
   else read[token], holds[token] = split_ids(leased or ''); gone[token] = {} end
 end
--- A keyless run's k results, cut from their joined text (a run held in part: its lease lost
--- for some); refused whole, before anything is written, unless they are k.
+-- A keyless run's k results, cut from their joined text at each newline (a run held in
+-- part: its lease lost for some); refused whole, before anything is written, unless they
+-- are k.
 local function joined_results(text, k)
-  local results, n = {}, 0
-  for json in string.gmatch(text, '[^\n]+') do n = n + 1; results[n] = json end
+  local results, n, from = {}, 0, 1
+  while true do
+    local newline = string.find(text, '\n', from, true)
+    n = n + 1
+    results[n] = string.sub(text, from, (newline or 0) - 1)
+    if not newline then break end
+    from = newline + 1
+  end
   if n ~= k then error('batchery: complete needs a run\'s ' .. k .. ' results joined by newlines') end
   return results
 end
