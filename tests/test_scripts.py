@@ -6,6 +6,7 @@ import itertools
 import json
 import struct
 import time
+import uuid
 from typing import Iterator
 
 import pytest
@@ -452,6 +453,44 @@ def test_a_payload_read_ahead_is_not_read_again_unless_its_id_was_enqueued_again
                         counts=[(i, 1) for i, _ in second.price_ahead])
     assert [(r.id, r.input) for r in third.batch] == [("r5", "f"), ("r4", "again")]
     assert fields == ["r4"]  # the one enqueued again since it was read (in the same ms or after)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(st.tuples(st.just("claim"), st.integers(1, 3)),
+                              st.tuples(st.just("replace"), st.integers(0, 3))),
+                    min_size=1, max_size=20))
+def test_a_leased_request_runs_its_latest_payload_whatever_was_read_ahead(
+        rconn: redis.Redis, ops: list[tuple[str, int]]) -> None:
+    """A worker's claims, each with the counts of what the last one handed ahead, between
+    replacements (a request cancelled, its result delivered and deleted, and its id
+    enqueued again with a new payload, which it is unless the id is still held): every
+    request leased runs the payload its id was last accepted with, whether its payload was
+    read ahead, read ahead and then replaced, or read with its lease."""
+    queue = RequestQueue(rconn, f"t-{uuid.uuid4().hex[:10]}")
+    ids, latest, version = [f"r{i}" for i in range(4)], {}, itertools.count()
+
+    def put(request_id: str) -> None:
+        value = f"{request_id}-v{next(version)}"
+        if queue.enqueue([Request.validated(id=request_id, input=value)]) == [True]:
+            latest[request_id] = value
+    for request_id in ids:
+        put(request_id)
+    ahead: list = []
+    for n, (op, arg) in enumerate(ops):
+        if op == "claim":
+            reply = queue.claim(f"w#{n}", arg, 10_000, 0, 8, price_estimates=True,
+                                counts=[(i, 1) for i, _ in ahead])
+            if reply.to_price:
+                reply = queue.claim(f"w#{n}b", arg, 10_000, 0, 8, price_estimates=True,
+                                    counts=[(i, 1) for i, _ in reply.to_price])
+            assert [(r.id, r.input) for r in reply.batch] == [(r.id, latest[r.id])
+                                                              for r in reply.batch]
+            assert ok(queue, reply.batch) == [True] * len(reply.batch)
+            ahead = reply.price_ahead
+        else:
+            queue.cancel([ids[arg]])
+            queue.client.delete(queue.keys.result(ids[arg]))
+            put(ids[arg])
 
 
 def test_a_payload_read_ahead_counts_only_for_a_request_enqueued_before_it_was_read() -> None:
