@@ -94,22 +94,33 @@ def length_header(n: int, fixed: int, fixed_below: int,
     return struct.pack(fmt, code, n)
 
 
-def claim_payload_ids(reply: list[Any]) -> list[str]:
-    """The ids whose payloads the caller of a claim reads after it, with one plain
-    ``HMGET`` of ``requests``, in this order: the candidates to price, or the ids leased
-    and then the ones handed ahead (lua/claim.lua: a value a script reads costs Redis about
-    three times a plain read's)."""
+def opened(reply: list[Any]) -> list[Any]:
+    """The claim's reply with its joined texts (lua/claim.lua reply_for: ids, entries and
+    the ids handed ahead, or the ids to price; newline-free) split into lists, once: the
+    form claim_payload_ids, payloads_read_ahead and parse_claim read. An entry '' is one
+    handed over without it."""
     if int(reply[1]) == TO_PRICE:
-        return lines(reply[3])
+        return [*reply[:3], lines(reply[3])]
     if len(reply) == 3:
-        return []
-    return [*lines(reply[4]), *lines(reply[7])]
+        return reply
+    return [*reply[:4], lines(reply[4]), reply[5].split("\n"), reply[6], lines(reply[7])]
 
 
 def lines(text: str) -> list[str]:
-    """One of the claim's joined lists (ids or entries, newline-free: lua/claim.lua
-    reply_for) as its items; none for ''."""
+    """One of the claim's joined texts as its items; none for ''."""
     return text.split("\n") if text else []
+
+
+def claim_payload_ids(reply: list[Any]) -> list[str]:
+    """The ids (of a reply ``opened``) whose payloads the caller of a claim reads after
+    it, with one plain ``HMGET`` of ``requests``, in this order: the candidates to price,
+    or the ids leased and then the ones handed ahead (lua/claim.lua: a value a script reads
+    costs Redis about three times a plain read's)."""
+    if int(reply[1]) == TO_PRICE:
+        return list(reply[3])
+    if len(reply) == 3:
+        return []
+    return [*reply[4], *reply[7]]
 
 
 def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> dict[int, Any]:
@@ -123,7 +134,7 @@ def payloads_read_ahead(reply: list[Any], ahead: dict[str, tuple[Any, int]]) -> 
     if not ahead or len(reply) == 3 or int(reply[1]) == TO_PRICE:
         return {}
     out = {}
-    for n, (request_id, sched) in enumerate(zip(lines(reply[4]), reply[5].split("\n"))):
+    for n, (request_id, sched) in enumerate(zip(reply[4], reply[5])):
         got = ahead.get(request_id)
         if got is not None and sched and enqueued_before(sched, got[1]):
             out[n] = got[0]
@@ -138,22 +149,21 @@ def enqueued_before(sched: str, ms: int) -> bool:
 
 
 def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) -> ClaimReply:
-    """The claim's reply with the payloads of ``claim_payload_ids(reply)``, read after it.
-    A request leased whose payload is gone (cancelled since) is handed over as one that
-    cannot run (Claimed.decode), as one whose payload is missing: its lease was taken with
-    it, so what its worker reports is discarded. One handed ahead whose payload is gone
-    (taken and finished by another worker since) is left out."""
+    """The claim's reply (``opened``) with the payloads of ``claim_payload_ids(reply)``,
+    read after it. A request leased whose payload is gone (cancelled since) is handed over
+    as one that cannot run (Claimed.decode), as one whose payload is missing: its lease
+    was taken with it, so what its worker reports is discarded. One handed ahead whose
+    payload is gone (taken and finished by another worker since) is left out."""
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
     if wait_ms == TO_PRICE:
-        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p)) for i, p
-                                               in zip(lines(reply[3]), payloads, strict=True)])
+        return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
+                                               for i, p in zip(reply[3], payloads, strict=True)])
     if len(reply) == 3:  # nothing leased
         return ClaimReply(now_ms, wait_ms)
     head = int(reply[3])  # the rank the batch was chosen against
-    # ids, entries ('': none readable) and ahead ids joined; attempts an array, empty
-    # when no request has failed
-    ids, scheds, ahead = lines(reply[4]), reply[5].split("\n"), lines(reply[7])
-    failures, n = reply[6], len(ids)
+    # each list opened (''-entry: none readable); attempts empty when no request has failed
+    ids, scheds, failures, ahead = reply[4:8]
+    n = len(ids)
     claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
                in zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True)]
     priced_ahead = zip(ahead, payloads[n:], strict=True)

@@ -19,8 +19,8 @@ from batchery.batching.calls import (KEYS_NEEDED, Call, Cancelled, Failed, Reape
                                      parse_cancel, parse_clients, parse_enqueue, parse_fail,
                                      parse_lookup, parse_reap, reap_call, release_call,
                                      renew_call, workers_call)
-from batchery.batching.claim_call import (ClaimReply, claim_call, claim_payload_ids, parse_claim,
-                                          payloads_read_ahead)
+from batchery.batching.claim_call import (ClaimReply, claim_call, claim_payload_ids, opened,
+                                          parse_claim, payloads_read_ahead)
 from batchery.batching.inspection import SERVED_KEPT, QueueInspection
 from batchery.batching.keys import QUEUES, Keys, check_queue_name
 from batchery.batching.messages import CANCELLED, Result, stored_trace
@@ -207,7 +207,7 @@ class RequestQueue(QueueInspection):
         ``ceiling``: lease nothing ranked above it (a sharded queue's claim)."""
         call = claim_call(self.keys, token, max_batch_size, max_batch_tokens, max_wait_ms,
                           lookahead, price_estimates, counts, ceiling)
-        reply = self._run("claim", call)
+        reply = opened(self._run("claim", call))
         ids = claim_payload_ids(reply)  # read after the script: a plain read costs Redis less
         known = payloads_read_ahead(reply, self.read_ahead)
         to_read = [i for n, i in enumerate(ids) if n not in known]

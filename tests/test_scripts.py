@@ -18,7 +18,7 @@ from batchery import InvalidRequest, QueueFull, RequestTooLarge, Result
 from batchery.batching.request import Request
 from batchery.batching.calls import Cancelled, Failed, Reaped
 from batchery.batching.claim_call import (claim_call, claim_payload_ids, enqueued_before,
-                                          packed_array, parse_claim)
+                                          opened, packed_array, parse_claim)
 from batchery.batching.queue import RequestQueue
 from tests.conftest import wait_for
 
@@ -582,7 +582,8 @@ def test_a_request_cancelled_between_its_claim_and_the_read_of_its_payload_stays
     handed to its worker without its payload (as one that cannot run), and what the worker
     reports of it is discarded: the cancel stands, its batch-mate runs."""
     queue.enqueue(requests("a", "b"), "c1")
-    reply = queue._run("claim", claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, False, [], None))
+    reply = opened(queue._run("claim", claim_call(queue.keys, "w#1", 10, 10_000, 0, 10, False, [],
+                                                  None)))
     assert queue.cancel(["r1"]) == [Cancelled.RUNNING]
     payloads = queue.client.hmget(queue.keys.requests, claim_payload_ids(reply))
     first, second = parse_claim(reply, "w#1", payloads).batch

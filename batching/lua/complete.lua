@@ -55,21 +55,6 @@ if n == 0 then return '' end
 -- keyed, the result keys are KEYS[FIXED+1..FIXED+n] in ARGV's order (batching/calls.py
 -- declared_keys): taken as declared, not built and looked up again per request
 local ids = keyed and ids_in_result_keys(result_prefix, FIXED + 1, n, 'complete') or {}
--- each lease token's ids among them
-local of_token, i = {}, 0
-a = FIRST_RUN
-while a <= n_args do
-  local token, k = ARGV[a], tonumber(ARGV[a + 2])
-  local mine = of_token[token] or {}
-  of_token[token] = mine
-  local m = #mine
-  if not keyed then
-    for j = 1, k do ids[i + j] = ARGV[a + 2 + j] end
-  end
-  for j = 1, k do mine[m + j] = ids[i + j] end
-  i, a = i + k, a + run_length(k)
-end
-
 declare_only(FIXED + (keyed and n or 0) + 1)  -- the reply lists (the result keys: by position)
 -- whether a client's results go to its reply list alone (its reader reads it alone)
 local marks = {}  -- client -> its reader mark, read once
@@ -81,19 +66,26 @@ local function list_alone(client)
   end
   return lists_alone and mark == '1'
 end
-if not keyed then  -- every result must go to a reply list alone, or none is committed here
-  local needed, listed = {}, {}  -- the clients whose results would be stored under keys
-  a = FIRST_RUN
-  while a <= n_args do
-    local client = ARGV[a + 1]
+-- each lease token's ids among them; keyless, the clients whose results would have to be
+-- stored under keys (none of no client, or of one not read alone, or none is committed here)
+local of_token, needed, listed, i = {}, {}, {}, 0
+a = FIRST_RUN
+while a <= n_args do
+  local token, client, k = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  local mine = of_token[token] or {}
+  of_token[token] = mine
+  local m = #mine
+  if not keyed then
+    for j = 1, k do ids[i + j] = ARGV[a + 2 + j] end
     if (client == '' or not list_alone(client)) and not listed[client] then
       listed[client] = true
       needed[#needed + 1] = client
     end
-    a = a + run_length(tonumber(ARGV[a + 2]))
   end
-  if #needed > 0 then return KEYS_NEEDED .. '\n' .. table.concat(needed, '\n') end
+  for j = 1, k do mine[m + j] = ids[i + j] end
+  i, a = i + k, a + run_length(k)
 end
+if #needed > 0 then return KEYS_NEEDED .. '\n' .. table.concat(needed, '\n') end
 -- What each token's lease still holds of its ids: all of them when the lease is exactly
 -- its ids in order (a batch committed whole, the common case: one string compared, no id
 -- looked up), else the set the lease holds.
