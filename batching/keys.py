@@ -20,11 +20,11 @@ from batchery.errors import ConfigError
 
 PREFIX = "batchery"
 QUEUES = f"{PREFIX}:queues"  # SET of queue names, for `batchery queue stats` (no tag: read alone)
-QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # (fullmatch: no name ending in "\n")
 
 
 def check_queue_name(name: str) -> str:
-    if not QUEUE_NAME.match(name or ""):
+    if not QUEUE_NAME.fullmatch(name or ""):
         raise ConfigError(
             f"queue name {name!r} is not valid: use 1-64 letters, digits, '.', '_' or '-'")
     return name

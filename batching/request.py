@@ -129,7 +129,7 @@ def check_priority(value: Any) -> str:
             raise InvalidRequest(f"integer priority is a delay in seconds, 0..{MAX_CLASS_DELAY_S}; "
                                  f"got {value}")
         return str(value)
-    if isinstance(value, str) and CLASS_NAME.match(value):
+    if isinstance(value, str) and CLASS_NAME.fullmatch(value):
         return value
     raise InvalidRequest(f"priority must be realtime, normal, batch (or a class configured "
                          f"on the queue: lowercase, not inf or nan) or an integer delay in "

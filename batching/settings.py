@@ -16,7 +16,8 @@ DEFAULT_CLASS_DELAYS: dict[str, float] = {"realtime": 0.0, "normal": 5.0, "batch
 # A priority class name: lowercase, and never a word Lua or Python reads as a number
 # (inf, infinity, nan), so a name is never taken for a delay. The Lua side reads only
 # digits as a delay (lua/enqueue.lua); everything else is looked up as a class.
-CLASS_NAME = re.compile(r"^(?!(?:inf|infinity|nan)\Z)[a-z][a-z0-9_-]{0,31}\Z")  # (\Z: no "x\n")
+# Read with fullmatch, as every name rule is: `$` would let a name end in a newline.
+CLASS_NAME = re.compile(r"(?!(?:inf|infinity|nan)\Z)[a-z][a-z0-9_-]{0,31}")
 
 @dataclass(frozen=True)
 class QueueSettings:
@@ -110,7 +111,7 @@ class QueueSettings:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
                 raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
         for name, delay in self.class_delays.items():
-            if not CLASS_NAME.match(name):
+            if not CLASS_NAME.fullmatch(name):
                 raise ConfigError(f"priority class {name!r}: use lowercase letters, digits, '-' or "
                                   "'_', starting with a letter (not inf, infinity or nan)")
             if not (math.isfinite(delay) and 0 <= delay <= MAX_CLASS_DELAY_S):

@@ -36,7 +36,7 @@ from batchery.producer.jobs.files import IdSet, read_lines
 from batchery.producer.jobs.spec import COUNTING, FINALIZING, RUNNING
 from batchery.producer.openai_api import TASKS
 
-WINDOW = re.compile(r"^(\d{1,3})h$")
+WINDOW = re.compile(r"(\d{1,3})h")  # (fullmatch: not "24h\n")
 MAX_WINDOW_H = 7 * 24        # OpenAI offers 24h; longer windows are allowed up to a week
 LINE_LIMIT = 64 << 20        # the shape check reads lines up to this long
 MAX_SHAPE_ERRORS = 100       # reported per failed batch
@@ -134,7 +134,7 @@ class BatchRoutes:
         endpoint, window = body.get("endpoint"), body.get("completion_window", "24h")
         if endpoint not in TASKS:
             raise bad_request(f"endpoint must be one of {', '.join(TASKS)}", "endpoint")
-        match = WINDOW.match(window) if isinstance(window, str) else None
+        match = WINDOW.fullmatch(window) if isinstance(window, str) else None
         if not match or not 1 <= int(match.group(1)) <= MAX_WINDOW_H:
             raise bad_request(f"completion_window must be like 24h (1h..{MAX_WINDOW_H}h)",
                               "completion_window")

@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 
 from batchery import AsyncClient, Client, InvalidRequest, Result
 from batchery.batching.codec import loads
-from batchery.batching.request import check_name
+from batchery.batching.keys import check_queue_name
+from batchery.batching.request import check_name, check_priority
+from batchery.batching.settings import QueueSettings
 from batchery.connection import RedisSettings
+from batchery.errors import ConfigError
 from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
@@ -132,6 +135,38 @@ def test_the_name_rule_accepts_only_utf8_text_without_control_characters(value: 
     else:
         with pytest.raises(InvalidRequest, match="request id"):
             check_name(value, "request id")
+
+
+word_like = st.one_of(  # names of the rules' own alphabets, a control character or space in some
+    st.text(alphabet="abz09_-.AZ\n\r\t ", max_size=70),
+    st.text(alphabet="abz09_-", min_size=1, max_size=33).map(lambda s: s + "\n"),
+    st.sampled_from(["inf", "nan", "infinity", "inf\n", "normal\n", "a" * 64, "a" * 65]))
+
+
+@given(word_like)
+@settings(max_examples=examples(200))
+def test_queue_and_class_names_are_whole_words_of_their_alphabet(text: str) -> None:
+    """The queue name and priority class rules (every place they are checked) accept a
+    name exactly when all of it, to its last character, is of the rule's alphabet and
+    length: nothing led or ended by a newline passes."""
+    queue_ok = 1 <= len(text) <= 64 and all(c.isascii() and (c.isalnum() or c in "_.-")
+                                             for c in text)
+    class_ok = (1 <= len(text) <= 32 and "a" <= text[0] <= "z"
+                and all(c.isascii() and (c.islower() or c.isdigit() or c in "_-") for c in text)
+                and text not in ("inf", "infinity", "nan"))
+    if queue_ok:
+        assert check_queue_name(text) == text
+    else:
+        with pytest.raises(ConfigError, match="queue name"):
+            check_queue_name(text)
+    if class_ok:
+        assert check_priority(text) == text
+        assert QueueSettings().updated(class_delays={text: 1.0}).class_delays[text] == 1.0
+    else:
+        with pytest.raises(InvalidRequest, match="priority"):
+            check_priority(text)
+        with pytest.raises(ConfigError, match="priority class"):
+            QueueSettings().updated(class_delays={text: 1.0})
 
 
 def test_ids_never_merge_nor_get_anothers_result(redis_url: str, queue_name: str) -> None:

@@ -57,7 +57,7 @@ local max_bytes = setting(K.settings, 'max_request_bytes', tonumber(ARGV[3]))
 local default_delays = {}
 for class, ms in string.gmatch(ARGV[4], '([^,=]+)=(%d+)') do default_delays[class] = tonumber(ms) end
 local delays = {}
--- One rule with batchery/config.py CLASS_NAME: digits alone are a delay in seconds,
+-- One rule with batching/settings.py CLASS_NAME: digits alone are a delay in seconds,
 -- anything else a class name (never tonumber(): it reads 'inf' and 'nan' as numbers).
 local function delay_of(priority)
   if string.match(priority, '^%d+$') then return tonumber(priority) * 1000, nil end
