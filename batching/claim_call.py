@@ -17,6 +17,7 @@ from batchery.connection import ENCODING_ERRORS
 
 MAX_LOOKAHEAD = 4096          # keeps every variadic call in the claim below Lua's limits
 NOTHING_PENDING = -1          # a claim's wait_ms when the queue holds nothing it could lease
+NEXT_LEASE = "+"              # a claim's token and this: the lease of a deep queue's next batch
 TO_PRICE = -2                 # ... when it leased nothing: its candidates need counting first
 
 
@@ -40,12 +41,15 @@ class ClaimReply:
 
 def claim_call(k: Keys, token: str, max_batch_size: int, max_batch_tokens: int,
                max_wait_ms: int, lookahead: int, price_estimates: bool,
-               counts: Sequence[tuple[str, int]], ceiling: float | None) -> Call:
+               counts: Sequence[tuple[str, int]], ceiling: float | None,
+               batches: int = 1) -> Call:
     """The claim script's KEYS and ARGV (see lua/claim.lua and RequestQueue.claim)."""
+    if batches not in (1, 2):
+        raise ValueError(f"a claim leases one batch or two, not {batches}")
     return Call(fixed_keys(k, "claim", claim=k.claim(token)),
                 [token, max_batch_size, max_batch_tokens, max_wait_ms,
                  min(lookahead, MAX_LOOKAHEAD), DEFAULTS.lease_seconds, int(price_estimates),
-                 "" if ceiling is None else int(ceiling), *packed_counts(counts)])
+                 "" if ceiling is None else int(ceiling), *packed_counts(counts), batches])
 
 
 def packed_counts(counts: Sequence[tuple[str, Any]]) -> list[bytes]:
@@ -103,7 +107,8 @@ def opened(reply: list[Any]) -> list[Any]:
         return [*reply[:3], lines(reply[3])]
     if len(reply) == 3:
         return reply
-    return [*reply[:4], lines(reply[4]), reply[5].split("\n"), reply[6], lines(reply[7])]
+    return [*reply[:4], lines(reply[4]), reply[5].split("\n"), reply[6], lines(reply[7]),
+            int(reply[8])]
 
 
 def lines(text: str) -> list[str]:
@@ -153,7 +158,9 @@ def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) ->
     read after it. A request leased whose payload is gone (cancelled since) is handed over
     as one that cannot run (Claimed.decode), as one whose payload is missing: its lease
     was taken with it, so what its worker reports is discarded. One handed ahead whose
-    payload is gone (taken and finished by another worker since) is left out."""
+    payload is gone (taken and finished by another worker since) is left out. The last
+    ``n_next`` leased (a deep queue's next batch) hold the lease ``token + NEXT_LEASE`` and
+    were chosen against their own head (its rank), not the claim's."""
     now_ms, wait_ms, n_expired = int(reply[0]), int(reply[1]), int(reply[2])
     if wait_ms == TO_PRICE:
         return ClaimReply(now_ms, 0, to_price=[(i, stored_input(p))
@@ -162,10 +169,12 @@ def parse_claim(reply: list[Any], token: str, payloads: Sequence[str | None]) ->
         return ClaimReply(now_ms, wait_ms)
     head = int(reply[3])  # the rank the batch was chosen against
     # each list opened (''-entry: none readable); attempts empty when no request has failed
-    ids, scheds, failures, ahead = reply[4:8]
+    ids, scheds, failures, ahead, n_next = reply[4:9]
     n = len(ids)
-    claimed = [Claimed.decode(i, p, s, f, token, head) for i, p, s, f
-               in zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True)]
+    first = n - n_next  # the claim's own batch (and its expired and unreadable), then the next
+    claimed = [Claimed.decode(i, p, s, f, *((token, head) if k < first else (token + NEXT_LEASE, 0)))
+               for k, (i, p, s, f)
+               in enumerate(zip(ids, payloads[:n], scheds, failures or [None] * n, strict=True))]
     priced_ahead = zip(ahead, payloads[n:], strict=True)
     return ClaimReply(now_ms, wait_ms, claimed[:n_expired], claimed[n_expired:],
                       price_ahead=[(i, stored_input(p)) for i, p in priced_ahead if p is not None])

@@ -60,7 +60,7 @@ class ShardClaims(ShardLayout):
     def claim(self, token: str, max_batch_size: int, max_batch_tokens: int, max_wait_ms: int,
               lookahead: int, price_estimates: bool = False,
               counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None,
-              ahead: Sequence[tuple[str, int]] = ()) -> ClaimReply:
+              ahead: Sequence[tuple[str, int]] = (), batches: int = 1) -> ClaimReply:
         """RequestQueue.claim on the shard with the most urgent head, under the ceiling
         the other heads set. ``counts`` (a pricing round) go back to their ids' shard;
         ``ahead`` (counts of what an earlier claim priced ahead, ``price_ahead``) go
@@ -72,7 +72,8 @@ class ShardClaims(ShardLayout):
                 self.settings()
             if len(self.shards) == 1:
                 return self.first.claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
-                                        lookahead, price_estimates, [*counts, *ahead], ceiling)
+                                        lookahead, price_estimates, [*counts, *ahead], ceiling,
+                                        batches)
             shards = self.shards
         heads, stored = self._heads(shards)
         if stored != len(shards):  # the shard count changed (on an empty queue)
@@ -101,7 +102,7 @@ class ShardClaims(ShardLayout):
             ceiling = others[0] + SHARD_SLACK_MS
         counts = [*counts, *(c for c in ahead if shard_of(c[0], len(shards)) == target)]
         return shards[target].claim(token, max_batch_size, max_batch_tokens, max_wait_ms,
-                                    lookahead, price_estimates, counts, ceiling)
+                                    lookahead, price_estimates, counts, ceiling, batches)
 
     def head_rank(self) -> float | None:
         """The rank that outranks a claimed or running request (the worker then gives its

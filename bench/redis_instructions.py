@@ -39,6 +39,7 @@ from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import DEFAULT_PRIORITY, Request, map_requests
 from batchery.embedded import find_redis_server
+from batchery.workers.claiming import CLAIM_BATCHES
 from batchery.workers.options import WorkerOptions
 from bench import common, corpus
 from bench.runners import words
@@ -81,16 +82,17 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
     dump("")
 
     def claim(token: str, counts: list[tuple[str, int]]) -> Any:
-        """As the worker claims with its defaults, the head not held (max_wait_ms 0)."""
+        """As the worker claims with its defaults, the head not held (max_wait_ms 0): a
+        deep queue's next batch comes too (CLAIM_BATCHES), under a lease of its own."""
         return queue.claim(token, claim_size, DEFAULTS.max_batch_tokens, 0,
-                           DEFAULTS.claim_lookahead, True, counts)
+                           DEFAULTS.claim_lookahead, True, counts, batches=CLAIM_BATCHES)
     for lo in range(0, n, enqueue_batch):
         size = min(enqueue_batch, n - lo)
         queue.enqueue(requests("r", lo, lo + size, 0), "bench")
         dump("enqueue")
         got, held = 0, []
         while got < size or held:
-            if got < size:
+            if got < size and len(held) < HELD:
                 claims += 1
                 token = f"w#{claims}"
                 reply = claim(token, [(i, words(v)) for i, v in ahead])
@@ -101,8 +103,11 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                 if not reply.batch:
                     raise SystemExit(f"a claim leased nothing: {reply}")
                 got += len(reply.batch)
-                held.append(reply.batch)
-            if len(held) == HELD or got >= size:
+                leases: dict[str, list[Any]] = {}
+                for c in reply.batch:  # each lease committed as its own batch, as the worker does
+                    leases.setdefault(c.lease_token, []).append(c)
+                held += leases.values()
+            if len(held) >= HELD or got >= size:
                 batch = held.pop(0)
                 items = [(c.id, c.lease_token, Result(id=c.id, status="ok", attempts=1).to_json())
                          for c in batch]

@@ -40,8 +40,10 @@ def paced(n: int) -> Iterator[int]:
 
 
 def worker(url: str, queue: str, log: Path) -> subprocess.Popen:
+    """A lookahead of two batches: a backlog past 256 (while Redis is away) is deep, so
+    claims lease the next batch too, under its own lease (lua/claim.lua)."""
     return start_worker(url, queue, "--runner", "tests.runners:echo", "--max-batch-size", "64",
-                        "--max-wait-ms", "5", log=log)
+                        "--max-wait-ms", "5", "--lookahead", "128", log=log)
 
 
 def test_chaos_every_request_ends_with_exactly_one_result(queue_name: str, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import itertools
 import json
 
 import redis
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from batchery.batching.keys import Keys
@@ -334,17 +334,22 @@ def test_a_claim_that_does_not_take_the_plan_drops_it(redis_server: RedisServer)
 
 @st.composite
 def claim_runs(draw: st.DrawFn) -> tuple:
-    """A backlog of varied lengths and two classes, a worker's shape, and what happens
-    before each claim: nothing, a more urgent arrival, a cancel, or a damaged entry."""
+    """A backlog of varied lengths and two classes, enqueued 10 ms or a second apart (the
+    classes interleave in rank), a worker's shape, the batches its claims may lease, and
+    what happens before each claim: nothing, a more urgent arrival, a cancel, or a damaged
+    entry."""
     n = draw(st.integers(1, 60))
     backlog = [(draw(st.integers(1, 40)), draw(st.sampled_from([0, 0, 5000]))) for _ in range(n)]
     events = draw(st.lists(st.sampled_from(["", "", "", "urgent", "cancel", "damage"]),
                            max_size=40))
     return (backlog, events, draw(st.integers(1, 8)), draw(st.integers(1, 200)),
-            draw(st.integers(1, 40)), draw(st.booleans()))
+            draw(st.integers(1, 40)), draw(st.booleans()), draw(st.sampled_from([1, 2])),
+            draw(st.sampled_from([10, 1000])))
 
 
 @given(claim_runs())
+# a deep queue's alike first read whose second batch's worth is headed by a faster class
+@example(case=([(1, 5000)] * 6 + [(1, 0)] + [(1, 5000)] * 9, [], 2, 200, 8, True, 2, 1000))
 @settings(max_examples=60, deadline=None)
 def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
         redis_server: RedisServer, case: tuple) -> None:
@@ -352,8 +357,12 @@ def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
     a batch's worth plans the next batches (planned_after), and the next claims take them
     while each one's head is the queue's head; a more urgent arrival drops the plan, a
     cancelled member is left out, a member whose entry was damaged is leased to be failed
-    alone. Every request is leased once or cancelled, none lost."""
-    backlog, events, max_size, max_tokens, lookahead, fill_from_slower = case
+    alone. Every request is leased once or cancelled, none lost. A claim that may lease two
+    batches leases, while the queue holds more than its lookahead past them, the one the
+    next claim would lease too, under the lease token + "+": it reads two batches' worth
+    first, and the next batch is the next batch's worth of them when those are alike to
+    their own head, else the first one it plans."""
+    backlog, events, max_size, max_tokens, lookahead, fill_from_slower, batches, spacing = case
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = RequestQueue(client, f"policy-runs-{next(FAIR_RUNS)}")
     k: Keys = queue.keys
@@ -371,7 +380,7 @@ def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
                                   f"{CLASS_OF_DELAY[delay]}:")
         client.hset(k.requests, rid, json.dumps({"input": rid}))
     for i, (tokens, delay) in enumerate(backlog):
-        add(f"r{i:02d}", tokens, delay, now - 70_000 + 10 * i + delay)
+        add(f"r{i:02d}", tokens, delay, now - 70_000 + spacing * i + delay)
     damaged: set[str] = set()
     plan: list[list[str]] = []
     leased: list[str] = []
@@ -394,25 +403,48 @@ def test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans(
         order = sorted(pending.values(), key=lambda c: (c.rank, c.id))
         if not order:
             break
-        reply = queue.claim(f"w#{n}", max_size, max_tokens, 0, lookahead)
+        reply = queue.claim(f"w#{n}", max_size, max_tokens, 0, lookahead, batches=batches)
+        following: list[str] = []  # a deep queue's next batch
         if plan and plan[0][0] == order[0].id:  # the next planned batch, less what is gone
             members = [rid for rid in plan.pop(0) if rid in pending]
             expected = [rid for rid in members if rid in damaged] + \
                        [rid for rid in members if rid not in damaged]
         else:
+            window = min(max_size, lookahead)
+            deep = batches == 2 and len(order) > lookahead + 2 * window
+            first_read = min(2 * window, lookahead) if deep else window
             read = [None if c.id in damaged else c for c in order[:lookahead]]
-            if settled_by(read, reply.now_ms, max_size):
-                read = read[:max_size]
+            settled = settled_by(read, reply.now_ms, first_read)
+            if settled:
+                read = read[:first_read]
             chosen = select_batch([c for c in read if c is not None], reply.now_ms, max_size,
                                   max_tokens, 0, fill_from_slower)
             plan = planned_after(read, chosen, reply.now_ms, max_size, max_tokens, lookahead,
                                  fill_from_slower)
+            if deep and settled:  # alike: the next batch's worth, when alike to their head
+                rest = [c for c in read if c.id not in set(chosen.batch)]
+                n_chosen = len(chosen.batch)
+                if len(rest) >= n_chosen and settled_by(rest, reply.now_ms, n_chosen):
+                    following = select_batch(rest, reply.now_ms, max_size, max_tokens, 0,
+                                             fill_from_slower).batch
+                plan = []
+            elif deep and chosen.full:  # what it would plan first, leased now
+                rest = [c for c in read if c is not None and c.id not in set(chosen.batch)]
+                after = select_batch(rest, reply.now_ms, max_size, max_tokens, 0,
+                                     fill_from_slower)
+                if 2 * len(rest) >= lookahead and after.full:
+                    following = after.batch
+                    plan = plan[1:]
+                if len(read) <= first_read:  # it did not read on: it plans nothing
+                    plan = []
             expected = [c.id for c in order[:len(read)] if c.id in damaged] + chosen.batch
-        assert [r.id for r in reply.batch] == expected, (n, event, plan)
+        assert [r.id for r in reply.batch] == expected + following, (n, event, plan)
+        assert [r.lease_token for r in reply.batch] == (
+            [f"w#{n}"] * len(expected) + [f"w#{n}+"] * len(following))
         assert all(bool(r.invalid) == (r.id in damaged) for r in reply.batch)
-        for rid in expected:
+        for rid in expected + following:
             del pending[rid]
-        leased += expected
+        leased += expected + following
     assert not pending
     assert len(set(leased)) == len(leased) and not set(leased) & cancelled  # each once
     assert set(leased) | cancelled == set(added)  # none lost

@@ -40,3 +40,42 @@ def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_n
         thread.join(30)
     assert ran[1][0] == "urgent"  # right after the batch that was running, not one later
     assert sorted(v for batch in ran for v in batch) == sorted(["urgent", *(f"flood {i}" for i in range(6))])
+
+
+def test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_request(
+        redis_url: str, queue_name: str) -> None:
+    """With more than the lookahead pending past two batches, one claim leases the batch
+    after its own too, under a lease of its own, and the worker runs them in turn: the
+    second still yields, before it runs, to a more urgent request that arrived meanwhile,
+    as a batch claimed ahead does. Every request runs once."""
+    ran: list[list[Any]] = []
+    release = threading.Event()
+
+    def slow(inputs: list[Any]) -> list[Any]:
+        ran.append(list(inputs))
+        release.wait(30)
+        return inputs
+
+    worker = Worker(RedisSettings.from_url(redis_url), CallableRunner(slow),
+                    WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0, lookahead=4))
+    flood_inputs = [f"flood {i:02d}" for i in range(20)]  # deep: past 4 + 2 * 2
+    with Client(redis_url, queue_name) as client:
+        flood = client.enqueue_many({"input": v, "priority": "batch"} for v in flood_inputs)
+        thread = threading.Thread(target=worker.run, kwargs={"burst": True, "handle_signals": False})
+        thread.start()
+        try:  # (let the model go whatever fails: a stuck worker thread would hold the test)
+            wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 10, message="a claim")
+            leases = client.queue.shards[0].leases()  # its batch running, the next its own lease
+            urgent = client.enqueue("urgent", priority="realtime")
+            assert len(ran) == 1 and len(leases) == 2
+            first = min(leases, key=len)
+            assert sorted(leases) == [first, first + "+"]
+            assert [len(ids) for ids in leases.values()] == [2, 2]
+        finally:
+            release.set()
+        assert urgent.result(timeout=10).ok
+        assert all(h.result(timeout=10).ok for h in flood)
+        thread.join(30)
+    assert ran[1][0] == "urgent"  # right after the batch that was running, not one later
+    assert max(len(batch) for batch in ran) == 2  # each lease its own batch, within the size
+    assert sorted(v for batch in ran for v in batch) == sorted(["urgent", *flood_inputs])

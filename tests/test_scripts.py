@@ -173,6 +173,40 @@ def test_a_claim_retried_after_its_memory_lapsed_keeps_what_its_lease_held(
     assert queue.reap().requeued == ["r0", "r1"] and queue.leases() == {}
 
 
+def test_a_deep_queues_claim_leases_the_next_batch_too_under_a_lease_of_its_own(
+        queue: RequestQueue) -> None:
+    """A claim that may lease two batches (a worker that runs them in turn) leases the
+    batch after its own too while more than its lookahead is pending past both, under the
+    token + "+": a lease of its own, committed whole apart from the first, reaped alone.
+    The same claim sent again (its reply lost) hands back what both still hold; a claim of
+    a queue no deeper, or of a worker from before (one batch), leases one batch."""
+    queue.update_settings(max_attempts=3)
+    queue.enqueue(requests(*"abcdefghijklmnopq"), "c")  # 17 alike: past 8 + 2 * 4
+    k, conn = queue.keys, queue.client
+    order = conn.zrange(k.pending, 0, -1)
+    reply = queue.claim("w#1", 4, 10_000, 0, 8, batches=2)
+    assert [(r.id, r.lease_token) for r in reply.batch] == (
+        [(i, "w#1") for i in order[:4]] + [(i, "w#1+") for i in order[4:8]])
+    assert queue.leases() == {"w#1": order[:4], "w#1+": order[4:8]}
+    assert sorted(conn.zrange(k.lease_expiry, 0, -1)) == ["w#1", "w#1+"]
+    again = queue.claim("w#1", 4, 10_000, 0, 8, batches=2)  # its reply lost: sent again
+    assert [(r.id, r.lease_token) for r in again.batch] == [
+        (r.id, r.lease_token) for r in reply.batch]
+    assert ok(queue, reply.batch[4:]) == [True] * 4  # the next batch, whole: its lease ends
+    assert queue.leases() == {"w#1": order[:4]} and conn.zrange(k.lease_expiry, 0, -1) == ["w#1"]
+    assert [(r.id, r.lease_token) for r in queue.claim("w#1", 4, 10_000, 0, 8, batches=2).batch] == [
+        (i, "w#1") for i in order[:4]]
+    # 9 pending, no more than 8 + 2 * 4: a batch a claim
+    assert [r.lease_token for r in queue.claim("w#2", 4, 10_000, 0, 8, batches=2).batch] == ["w#2"] * 4
+    queue.enqueue([Request.validated(id=f"s{i:02d}", input="z") for i in range(20)], "c")
+    assert [r.lease_token for r in queue.claim("w#3", 4, 10_000, 0, 8).batch] == ["w#3"] * 4
+    deeper = queue.claim("w#4", 4, 10_000, 0, 8, batches=2).batch
+    assert [r.lease_token for r in deeper] == ["w#4"] * 4 + ["w#4+"] * 4
+    conn.zadd(k.lease_expiry, {"w#4+": 0})  # the next batch's lease lapses: it comes back alone
+    assert queue.reap().requeued == [r.id for r in deeper[4:]]
+    assert set(queue.leases()) == {"w#1", "w#2", "w#3", "w#4"}
+
+
 def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue) -> None:
     """A request leased by a version that kept one lease per request (its expiry in the
     `leased` set, its holder in `owner`, no lease of its claim) still comes back when that
@@ -809,7 +843,7 @@ def test_the_claim_takes_a_count_of_at_most_eight_digits_and_whole(queue: Reques
     call = claim_call(queue.keys, "w#1", 1, 10_000, 0, 16, True,
                       [(i, 1) for i in "abcd"], None)
     whole_float = b"\xcb" + struct.pack(">d", 3.0)  # a count as a float: taken as 3
-    call.args[-1] = (b"\x94\x05" + struct.pack(">BI", 0xCE, 10**8)
+    call.args[9] = (b"\x94\x05" + struct.pack(">BI", 0xCE, 10**8)
                      + b"\xcb" + struct.pack(">d", 2.5) + whole_float)
     reply = queue._run("claim", call)
     assert reply[4] == "a" and reply[5].startswith("5:")  # leased on its count

@@ -25,6 +25,10 @@ DRAINED = None  # put on the batch queue when a burst worker has drained its que
 # Claims that count estimated candidates before one may lease on estimates: new estimated
 # requests can enter the lookahead between two calls; a busy producer cannot stall a claim.
 PRICING_ROUNDS = 3
+# Batches one claim may lease: with a deep queue, the next batch comes with this one's,
+# under a lease of its own, and runs after it (given back if overtaken, as any batch
+# claimed ahead): a claim's fixed cost to Redis is paid once for two (lua/claim.lua).
+CLAIM_BATCHES = 2
 
 
 class Claimer(threading.Thread):
@@ -127,24 +131,29 @@ class Claimer(threading.Thread):
         # so none held then and nothing pending nor delayed now means the burst is over
         held_before = len(self.leases)
         batch, reply = self.claim_requests(self.cap.apply(o.max_batch_size), o.max_batch_tokens,
-                                           o.max_wait_ms)
-        if batch:
-            return self.prepare(batch, reply.now_ms)
+                                           o.max_wait_ms, CLAIM_BATCHES)
+        if batch:  # each lease its own batch (or more: prepare), committed whole
+            leases: dict[str, list[Claimed]] = {}
+            for r in batch:
+                leases.setdefault(r.lease_token, []).append(r)
+            return [b for requests in leases.values() for b in self.prepare(requests, reply.now_ms)]
         if reply.nothing_pending and self.burst and not held_before:
             return None
         self.idle(reply)
         return []
 
-    def claim_requests(self, max_size: int, max_tokens: int,
-                       max_wait_ms: int) -> tuple[list[Claimed], ClaimReply]:
-        """Lease the next requests that fit; those past their deadline or unreadable are
-        finished at once (``on_final``). The runnable ones, and the claim's reply."""
+    def claim_requests(self, max_size: int, max_tokens: int, max_wait_ms: int,
+                       batches: int = 1) -> tuple[list[Claimed], ClaimReply]:
+        """Lease the next requests that fit (``batches`` 2: a deep queue's next batch may
+        come too, its requests under a lease of their own); those past their deadline or
+        unreadable are finished at once (``on_final``). The runnable ones, and the claim's
+        reply."""
         token = self._unanswered
         if token is None:
             self._claims += 1
             token = f"{self.options.worker_id}#{self._claims}"
         self._unanswered = token
-        reply = self._claim(token, max_size, max_tokens, max_wait_ms)
+        reply = self._claim(token, max_size, max_tokens, max_wait_ms, batches)
         self._unanswered = None
         self.leases.add(reply.expired + reply.batch)  # first: nothing after it loses a lease
         tracing.claimed(self.queue.name, self.options.worker_id, reply)
@@ -160,7 +169,8 @@ class Claimer(threading.Thread):
         metrics.queue_waits(reply.now_ms, batch)
         return batch, reply
 
-    def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int) -> ClaimReply:
+    def _claim(self, token: str, max_size: int, max_tokens: int, max_wait_ms: int,
+               batches: int = 1) -> ClaimReply:
         """Claim on exact counts: candidates a producer priced by estimate are counted
         with this runner's tokenizer and sent with the next claim (a few rounds at most: new
         estimated requests can enter the lookahead between two calls). A claim that leases
@@ -173,7 +183,7 @@ class Claimer(threading.Thread):
             reply = self.queue.claim(token, max_size, max_tokens, max_wait_ms,
                                      self.options.claim_lookahead,
                                      price_estimates=self.counts and round_ < PRICING_ROUNDS,
-                                     counts=counts, ahead=ahead)
+                                     counts=counts, ahead=ahead, batches=batches)
             if not reply.to_price:
                 self._ahead = reply.price_ahead  # counted next time: this batch goes first
                 return reply

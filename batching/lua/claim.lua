@@ -34,8 +34,12 @@
 --         split by a pattern, which runs per character; ids that are the candidates' own,
 --         in line (a worker's next batch, as a claim handed it ahead), are matched to them
 --         by place, not looked up one by one (below).
--- Returns {now_ms, wait_ms, n_expired, head_rank, ids, scheds, {attempts}, ahead_ids}
---   when it leased something: ids, scheds (each id's entry, '' for one without a readable
+-- ARGV[11] the batches this claim may lease: 2 from a worker that runs a claim's batches
+--         in turn (each under its own lease: below, "a deep queue's next batch"); 1 (or
+--         none, a worker from before) one batch
+-- Returns {now_ms, wait_ms, n_expired, head_rank, ids, scheds, {attempts}, ahead_ids,
+--   n_next} when it leased something: n_next, the last ids' count, leased under the token
+--   ARGV[1] .. '+' (a second batch: 0 for none), the rest under ARGV[1]; ids, scheds (each id's entry, '' for one without a readable
 --   entry) and ahead_ids each one text, joined by newlines (reply_for); {attempts} an
 --   array, empty when no request has failed. The requests' payloads are not in it: the caller reads them
 --   after, with one plain HMGET of `requests` for the ids and the ahead ids (a request
@@ -65,6 +69,7 @@
 -- lease time; the same token again (the connection retried after a lost reply) gets
 -- the same batch back, less what it no longer holds, and leases nothing new.
 local token = ARGV[1]
+local next_token = token .. '+'  -- the lease of a deep queue's next batch (below)
 local max_size, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_wait, lookahead = tonumber(ARGV[4]), tonumber(ARGV[5])
 local price_estimates = ARGV[7] == '1'
@@ -163,13 +168,13 @@ end
 -- each. attempts stays an array (false: none), read only when some request has failed
 -- (HLEN, once per claim; else {}). No payload: the caller reads them with a plain HMGET
 -- (the header).
-local function reply_for(wait, out_ids, n_expired, scheds, head_rank, ahead, ids)
+local function reply_for(wait, out_ids, n_expired, scheds, head_rank, n_next, ahead, ids)
   if #out_ids == 0 then return {now, wait, 0} end
   local failed = rcall('HLEN', K.attempts) > 0
   return {now, wait, n_expired, head_rank or 0, ids or table.concat(out_ids, '\n'),
           table.concat(scheds, '\n'),
           failed and rcall('HMGET', K.attempts, unpack(out_ids)) or {},
-          table.concat(ahead or {}, '\n')}
+          table.concat(ahead or {}, '\n'), n_next}
 end
 
 -- A candidate's entry split off its tail (_common.lua split_entry), each distinct tail
@@ -221,16 +226,20 @@ local function write_counts()
   call_chunked('HSET', K.sched, writes)
 end
 
--- A remembered claim's reply: the ids of its batch still leased to this token (the
--- first n_expired of them expired, the next n_unreadable handed over without their entry).
-local function leased_reply(wait, ids, n_expired, n_unreadable, head_rank)
-  local out_ids, n_out_expired, unreadable_at = {}, 0, {}
+-- A remembered claim's reply: the ids of its batches still leased to this token and to
+-- next_token (the first n_expired of them expired, the next n_unreadable handed over
+-- without their entry, the last n_next those of the next batch).
+local function leased_reply(wait, ids, n_expired, n_unreadable, n_next, head_rank)
+  local out_ids, n_out_expired, n_out_next, unreadable_at = {}, 0, 0, {}
   local _, held = lease_read(K, token)
+  local _, held_next = lease_read(K, next_token)
+  local first_next = #ids - n_next + 1
   for i, id in ipairs(ids) do
-    if held[id] then
+    if (i < first_next and held or held_next)[id] then
       out_ids[#out_ids + 1] = id
       if i <= n_expired then n_out_expired = n_out_expired + 1
-      elseif i <= n_expired + n_unreadable then unreadable_at[#out_ids] = true end
+      elseif i <= n_expired + n_unreadable then unreadable_at[#out_ids] = true
+      elseif i >= first_next then n_out_next = n_out_next + 1 end
     end
   end
   local scheds = #out_ids > 0 and rcall('HMGET', K.sched, unpack(out_ids)) or {}
@@ -239,20 +248,20 @@ local function leased_reply(wait, ids, n_expired, n_unreadable, head_rank)
       scheds[n] = ''
     end
   end
-  return reply_for(wait, out_ids, n_out_expired, scheds, head_rank)
+  return reply_for(wait, out_ids, n_out_expired, scheds, head_rank, n_out_next)
 end
 
--- The remembered claim: "wait\nhead_rank\nn_expired\nn_unreadable\nid\nid..." (ids hold no
--- control character: batching/request.py check_name), the expired ids first, then the
--- unreadable ones.
+-- The remembered claim: "wait\nhead_rank\nn_expired\nn_unreadable\nn_next\nid\nid..." (ids
+-- hold no control character: batching/request.py check_name), the expired ids first, then
+-- the unreadable ones, the next batch's last.
 local remembered = rcall('GET', K.claim)
 if remembered then
   local fields = {}
   for v in string.gmatch(remembered, '[^\n]+') do fields[#fields + 1] = v end
   local ids = {}
-  for i = 5, #fields do ids[i - 4] = fields[i] end
+  for i = 6, #fields do ids[i - 5] = fields[i] end
   return leased_reply(tonumber(fields[1]), ids, tonumber(fields[3]), tonumber(fields[4]),
-                      tonumber(fields[2]))
+                      tonumber(fields[5]), tonumber(fields[2]))
 end
 
 -- a paused queue (`batchery queue pause`) hands out nothing; enqueues go on
@@ -526,7 +535,21 @@ local function pending_ids(offset, count)
   return global_ids(offset, count)
 end
 local window = math.min(max_size, lookahead)
-local ids = planned or pending_ids(0, window)
+-- A deep queue's next batch. What a claim costs Redis whatever it leases (the script's
+-- call, its reads of the queue's state, the fair-share charge, the lease, its memory) is
+-- about a third of a claim of 64 (docs/scaling.md), so a worker that runs a claim's
+-- batches in turn (ARGV[11] 2) is leased the batch after its own too, under a lease of
+-- its own (next_token: each batch is committed whole, as one), while more than the
+-- lookahead's worth is pending past the two: below that depth the workers share what is
+-- left a batch a claim. It is the batch the next claim would take: a batch's worth more
+-- of alike candidates (read with the first), or the first one the rule plans
+-- (chosen_after); none with a planned batch, fair share or token rates (a tenant's turn
+-- is one batch). Its worker gives it back if something more urgent comes before it
+-- runs, as any batch claimed ahead (workers/claiming.py).
+local deep = ARGV[11] == '2' and not planned and not fair and not rated
+             and #rcall('ZRANGE', K.pending, lookahead + 2 * window, lookahead + 2 * window) > 0
+local first_read = deep and math.min(2 * window, lookahead) or window  -- what is read first
+local ids = planned or pending_ids(0, first_read)
 local stale = fair and fair.stale or {}
 if fair and #ids == 0 then  -- nothing live within reach: the global lookahead serves
   fair = nil
@@ -608,14 +631,14 @@ for j = 2, n_live do
   if not alike then break end
   alike = lengths[j] == lengths[1] and delays[j] <= delays[1]
 end
-local settled = alike and n_live == window
-if not settled and not planned and #ids == window and window < lookahead then
-  local more = pending_ids(window, lookahead - window)
+local settled = alike and n_live == first_read
+if not settled and not planned and #ids == first_read and first_read < lookahead then
+  local more = pending_ids(first_read, lookahead - first_read)
   stale = fair and fair.stale or stale
   if #more > 0 then
     local more_scheds = rcall('HMGET', K.sched, unpack(more))
-    for n = 1, #more do ids[window + n], scheds[window + n] = more[n], more_scheds[n] end
-    scan(window + 1)
+    for n = 1, #more do ids[first_read + n], scheds[first_read + n] = more[n], more_scheds[n] end
+    scan(first_read + 1)
   end
 end
 if price_estimates and n_estimated > 0 then
@@ -692,9 +715,24 @@ local function choose(h, taken)
   return chosen, rejected or n_chosen >= max_size
 end
 
+-- The batch the rule chooses after the ones `taken` (n_taken live candidates), headed
+-- by the most urgent live candidate left, while those left hold at least half the
+-- lookahead: its indexes into `live`, marked taken; nil when too few are left or it would
+-- not be full.
+local function chosen_after(taken, n_taken)
+  if 2 * (n_live - n_taken) < lookahead then return nil end
+  local h = 1
+  while taken[h] do h = h + 1 end
+  local next_batch, full = choose(h, taken)
+  if not full then return nil end
+  for _, j in ipairs(next_batch) do taken[j] = true end
+  return next_batch
+end
+
 -- The batch: chosen from every live candidate; a planned one is taken as it is, full
--- (chosen so when planned: its members fit, unless a count changed since).
-local batch, chosen = {}, nil
+-- (chosen so when planned: its members fit, unless a count changed since). Then a deep
+-- queue's next batch (above): its candidates' indexes in next_batch.
+local batch, chosen, next_batch, taken = {}, nil, {}, {}
 local wait = 0
 if n_live > 0 then
   local full
@@ -714,24 +752,32 @@ if n_live > 0 then
   elseif alike then
     batch = chosen  -- (every candidate live: live[j] is j)
   else
-    for n, j in ipairs(chosen) do batch[n] = live[j] end
+    for n, j in ipairs(chosen) do batch[n] = live[j]; taken[j] = true end
+  end
+  local k = chosen and #chosen or 0
+  if deep and full and chosen and alike and n_live >= 2 * k then
+    -- the next k, alike to their own head too (a faster class among them heads it)
+    for j = k + 1, 2 * k do
+      if delays[j] > delays[k + 1] then next_batch = {}; break end
+      next_batch[j - k] = j
+    end
+  elseif deep and full and chosen and not alike then
+    for n, j in ipairs(chosen_after(taken, k) or {}) do next_batch[n] = live[j] end
   end
 end
+local n_next = #next_batch
 
--- The next batches, planned (above) by a claim that read on and leased a batch: from
--- the live candidates it did not take, each headed by the most urgent of them, while they
--- hold at least half the lookahead and the batch chosen is full, kept for lease_ms.
--- Returns how many requests it planned.
+-- The next batches, planned (above) by a claim that read on and leased a batch (and
+-- maybe the next: PLAN_BATCHES in all): from the live candidates it did not take
+-- (chosen_after), kept for lease_ms. Returns how many requests it planned.
 local function plan_next(lease_ms)
-  local taken, plans, n_taken, h = {}, {plan_line(n_priced > 0 or plan_estimated)}, #chosen, 1
-  for _, j in ipairs(chosen) do taken[j] = true end
+  local plans, n_taken = {plan_line(n_priced > 0 or plan_estimated)}, #chosen + n_next
   local n_planned = 0
-  while #plans < PLAN_BATCHES and 2 * (n_live - n_taken) >= lookahead do
-    while taken[h] do h = h + 1 end
-    local next_batch, full = choose(h, taken)
-    if not full then break end
+  while #plans + (n_next > 0 and 1 or 0) < PLAN_BATCHES do
+    local planned_batch = chosen_after(taken, n_taken)
+    if not planned_batch then break end
     local next_ids = {}
-    for n, j in ipairs(next_batch) do taken[j] = true; next_ids[n] = ids[live[j]] end
+    for n, j in ipairs(planned_batch) do next_ids[n] = ids[live[j]] end
     plans[#plans + 1] = table.concat(next_ids, '\t')
     n_planned = n_planned + #next_ids
     n_taken = n_taken + #next_ids
@@ -740,11 +786,11 @@ local function plan_next(lease_ms)
   return n_planned
 end
 
--- the candidates taken, by index: the expired, the unreadable, then the batch
+-- the candidates taken, by index: the expired, the unreadable, the batch, the next batch
 local take, n_take = batch, #batch
-if n_expired + n_unreadable > 0 then
+if n_expired + n_unreadable + n_next > 0 then
   take, n_take = {}, 0
-  for _, list in ipairs({expired, unreadable, batch}) do
+  for _, list in ipairs({expired, unreadable, batch, next_batch}) do
     for _, i in ipairs(list) do n_take = n_take + 1; take[n_take] = i end
   end
 end
@@ -785,18 +831,30 @@ else  -- the unreadable ones (after the expired) go without their entries, and u
   fair_settle(settle_ids, settle_scheds, n_expired, stale, counts)
 end
 call_chunked('ZREM', K.pending, out_ids)
--- the lease, one for the batch: its ids and when it lapses. A lease this token holds
--- already (its claim's reply was lost, and its memory above lapsed or was evicted before
--- this retry) keeps what it holds: those come back when this one lapses, never dropped.
+-- the lease, one a batch: its ids and when it lapses. A lease this token holds already
+-- (its claim's reply was lost, and its memory above lapsed or was evicted before this
+-- retry) keeps what it holds: those come back when this one lapses, never dropped.
 local leased = table.concat(out_ids, '\n')
-local earlier = rcall('HGET', K.lease_ids, token)
-rcall('HSET', K.lease_ids, token, earlier and earlier .. '\n' .. leased or leased)
-rcall('ZADD', K.lease_expiry, expiry, token)
+if n_next == 0 then
+  local earlier = rcall('HGET', K.lease_ids, token)
+  rcall('HSET', K.lease_ids, token, earlier and earlier .. '\n' .. leased or leased)
+  rcall('ZADD', K.lease_expiry, expiry, token)
+else
+  local n_first = #out_ids - n_next
+  local texts = {table.concat(out_ids, '\n', 1, n_first), table.concat(out_ids, '\n', n_first + 1)}
+  local earlier = rcall('HMGET', K.lease_ids, token, next_token)
+  for n = 1, 2 do
+    if earlier[n] then texts[n] = earlier[n] .. '\n' .. texts[n] end
+  end
+  rcall('HSET', K.lease_ids, token, texts[1], next_token, texts[2])
+  rcall('ZADD', K.lease_expiry, expiry, token, expiry, next_token)
+end
 add_depth(K.depth, counts)
 rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n_expired),
-                                    fmt_int(n_unreadable), leased}, '\n'), 'PX', lease_ms)
+                                    fmt_int(n_unreadable), fmt_int(n_next), leased}, '\n'),
+      'PX', lease_ms)
 -- the plan: this claim took its next batch (the rest stays), or read on and plans
-local read_on = not planned and not fair and #ids > window
+local read_on = not planned and not fair and #ids > first_read
 local n_planned = 0
 if planned then
   local first_line = plan_line(plan_estimated)
@@ -825,7 +883,7 @@ end
 local ahead, m = {}, 0
 if price_estimates and (n_priced > 0 or plan_estimated) and not planned then
   local next_ids = read_on and global_ids(#ids - n_take, n_take + n_planned)
-                   or pending_ids(0, window)
+                   or pending_ids(0, first_read)
   local all_priced = n_priced == n_scheds
   if all_priced and next(counted) == nil then  -- (what was counted, this batch took)
     ahead = next_ids
@@ -840,4 +898,4 @@ if price_estimates and (n_priced > 0 or plan_estimated) and not planned then
     end
   end
 end
-return reply_for(wait, out_ids, n_expired, out_scheds, head_rank, ahead, leased)
+return reply_for(wait, out_ids, n_expired, out_scheds, head_rank, n_next, ahead, leased)
