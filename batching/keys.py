@@ -221,7 +221,8 @@ class Keys:
         return self._key("reaper")
 
     def claim(self, token: str) -> str:
-        """STRING JSON {"wait", "expired", "batch"}: the ids one claim leased, kept for the
+        """STRING "wait\\nhead rank\\nexpired\\nunreadable\\nnext\\nid..." (lua/claim.lua): the ids
+        one claim leased (the last ``next`` under its next batch's lease), kept for the
         lease time so that a retried claim (its reply lost) returns them again."""
         return self._key("claim:" + token)
 

@@ -108,7 +108,7 @@ class Claimer(threading.Thread):
             if not self.slots.acquire(timeout=0.2):
                 continue
             try:
-                batches = self.claim_once()
+                claimed = self.claim_once()
                 backoff.reset()
             except Exception as exc:  # Redis away, or a bug: keep serving, leases cover it
                 self.slots.release()
@@ -116,31 +116,36 @@ class Claimer(threading.Thread):
                 report_redis_error("claim", exc, wait_s)
                 self.stop.wait(wait_s)
                 continue
-            if batches is None:
+            if claimed is None:
                 self.batches.put((DRAINED, False))
                 return
-            if not batches:
+            now_ms, leases = claimed
+            if not leases:
                 self.slots.release()
-            for i, batch in enumerate(batches):
-                self.batches.put((batch, i == len(batches) - 1))
+            for n, requests in enumerate(leases):  # each handed over once prepared: the
+                batches = self.prepare(requests, now_ms)  # first runs while the next is
+                for i, batch in enumerate(batches):  # tokenized; the last frees the slot
+                    self.batches.put((batch, n == len(leases) - 1 and i == len(batches) - 1))
 
-    def claim_once(self) -> list[Batch] | None:
-        """Claim and prepare; [] when nothing is ready yet, None when a burst is over."""
+    def claim_once(self) -> tuple[int, list[list[Claimed]]] | None:
+        """Claim: the claim's Redis time and the runnable requests it leased, a list per
+        lease (its own batch, then a deep queue's next one), each committed whole; no list
+        when nothing is ready yet, None when a burst is over."""
         o = self.options
         # read before the claim: the writer drops a lease only after its retry is scheduled,
         # so none held then and nothing pending nor delayed now means the burst is over
         held_before = len(self.leases)
         batch, reply = self.claim_requests(self.cap.apply(o.max_batch_size), o.max_batch_tokens,
                                            o.max_wait_ms, CLAIM_BATCHES)
-        if batch:  # each lease its own batch (or more: prepare), committed whole
+        if batch:
             leases: dict[str, list[Claimed]] = {}
             for r in batch:
                 leases.setdefault(r.lease_token, []).append(r)
-            return [b for requests in leases.values() for b in self.prepare(requests, reply.now_ms)]
+            return reply.now_ms, list(leases.values())
         if reply.nothing_pending and self.burst and not held_before:
             return None
         self.idle(reply)
-        return []
+        return reply.now_ms, []
 
     def claim_requests(self, max_size: int, max_tokens: int, max_wait_ms: int,
                        batches: int = 1) -> tuple[list[Claimed], ClaimReply]:

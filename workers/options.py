@@ -38,9 +38,11 @@ class WorkerOptions:
     # Candidates a claim chooses from (0: 1024, or 4 x max_batch_size if more): room to group
     # similar lengths. 1024 gives batches of 16 real paragraphs 94% padding efficiency (64
     # candidates: 68%) for about 1.5 ms of Redis time per claim (bench/model.py). Read
-    # lazily: when the first max_batch_size settle the batch (equal lengths), no more.
+    # lazily: when the first max_batch_size settle the batch (equal lengths), no more (two
+    # batches' worth for a deep queue's claim, which leases the next batch too).
     lookahead: int = 0
-    # Batches claimed and tokenized ahead while the model runs: 1 keeps the model busy.
+    # Claims made and tokenized ahead while the model runs (a deep queue's claim holds two
+    # batches, one lease each): 1 keeps the model busy.
     prefetch: int = 1
     # Batches run at once, each on its own thread through the one loaded model (shared
     # weights). On a CPU, one per core with one torch thread each beats one batch using

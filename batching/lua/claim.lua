@@ -834,14 +834,16 @@ call_chunked('ZREM', K.pending, out_ids)
 -- the lease, one a batch: its ids and when it lapses. A lease this token holds already
 -- (its claim's reply was lost, and its memory above lapsed or was evicted before this
 -- retry) keeps what it holds: those come back when this one lapses, never dropped.
-local leased = table.concat(out_ids, '\n')
+local leased
 if n_next == 0 then
+  leased = table.concat(out_ids, '\n')
   local earlier = rcall('HGET', K.lease_ids, token)
   rcall('HSET', K.lease_ids, token, earlier and earlier .. '\n' .. leased or leased)
   rcall('ZADD', K.lease_expiry, expiry, token)
 else
   local n_first = #out_ids - n_next
   local texts = {table.concat(out_ids, '\n', 1, n_first), table.concat(out_ids, '\n', n_first + 1)}
+  leased = texts[1] .. '\n' .. texts[2]
   local earlier = rcall('HMGET', K.lease_ids, token, next_token)
   for n = 1, 2 do
     if earlier[n] then texts[n] = earlier[n] .. '\n' .. texts[n] end
@@ -854,7 +856,7 @@ rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n
                                     fmt_int(n_unreadable), fmt_int(n_next), leased}, '\n'),
       'PX', lease_ms)
 -- the plan: this claim took its next batch (the rest stays), or read on and plans
-local read_on = not planned and not fair and #ids > first_read
+local read_on = not planned and not fair and not settled and #ids > window
 local n_planned = 0
 if planned then
   local first_line = plan_line(plan_estimated)

@@ -385,7 +385,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/test_isolation.py::test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter",)),
     # -- the claim's cost and its unreadable entries ----------------------------------------
     Fault("a claim that read on hands ahead the head's batch, not what its next claim reads first",
-          "batching/lua/claim.lua", "local read_on = not planned and not fair and #ids > first_read\n",
+          "batching/lua/claim.lua", "local read_on = not planned and not fair and not settled and #ids > window\n",
           "local read_on = false\n",
           (SCRIPTS + "test_claims_that_read_the_whole_lookahead_price_ahead_what_the_next_one_reads_first",)),
     Fault("the payloads read after a claim are matched to the ids handed ahead first",
@@ -557,8 +557,8 @@ FAULTS: tuple[Fault, ...] = (
           "      if delays[j] > delays[k + 1] then next_batch = {}; break end\n", "",
           ("tests/test_policy.py::test_lua_claims_in_a_row_agree_with_the_python_rule_and_its_plans",)),
     Fault("a worker runs a claim's two leases as one batch", "workers/claiming.py",
-          "            return [b for requests in leases.values() for b in self.prepare(requests, reply.now_ms)]",
-          "            return self.prepare(batch, reply.now_ms)",
+          "            return reply.now_ms, list(leases.values())",
+          "            return reply.now_ms, [batch]",
           ("tests/test_prefetch.py::test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_request",)),
     # -- a restart between a script's load and its call ------------------------------------
     Fault("a script lost again after its load is not called again", "batching/scripts.py",
