@@ -201,13 +201,10 @@ class RequestQueue(QueueInspection):
               lookahead: int, price_estimates: bool = False,
               counts: Sequence[tuple[str, int]] = (), ceiling: float | None = None,
               batches: int = 1) -> ClaimReply:
-        """Lease the next batch. ``price_estimates``: this worker counts tokens exactly, so
-        when candidates are priced by estimate nothing is leased and ``to_price`` lists
-        them: count them, claim again with their (id, exact tokens) as ``counts``. The
-        claim chooses on those and stores the counts of the ones it leaves queued.
-        ``ceiling``: lease nothing ranked above it (a sharded queue's claim). ``batches``
-        2: a deep queue's next batch may come too, under a lease of its own (the requests'
-        ``lease_token``: lua/claim.lua), for a caller that runs them in turn."""
+        """Lease the next batch (``batches`` 2: a deep queue's next one too, under its own
+        ``lease_token``). ``price_estimates``: a worker that counts tokens is handed the
+        estimated candidates (``to_price``) and claims again with their (id, exact tokens)
+        as ``counts``. ``ceiling``: lease nothing ranked above it (a sharded queue's)."""
         call = claim_call(self.keys, token, max_batch_size, max_batch_tokens, max_wait_ms,
                           lookahead, price_estimates, counts, ceiling, batches)
         reply = opened(self._run("claim", call))

@@ -207,6 +207,26 @@ def test_a_deep_queues_claim_leases_the_next_batch_too_under_a_lease_of_its_own(
     assert set(queue.leases()) == {"w#1", "w#2", "w#3", "w#4"}
 
 
+def test_a_deep_claim_cut_short_by_its_ceiling_plans_none_of_what_it_leased(
+        queue: RequestQueue) -> None:
+    """A deep queue's claim whose rank ceiling (a sharded claim's) lets fewer than two
+    batches' worth of alike candidates through leases its batch and the next from them and
+    keeps no plan: a plan is made from what a claim read past alike candidates, never of
+    requests it leased."""
+    k, conn = queue.keys, queue.client
+    base = server_ms(queue) - 60_000
+    ids = [f"r{i:02d}" for i in range(20)]  # alike: one token each, one class, 1 ms apart
+    for i, rid in enumerate(ids):
+        conn.zadd(k.pending, {rid: base + i})
+        conn.hset(k.sched, rid, f"1:0:{base + i - 5000}:{base + i}:normal:")
+        conn.hset(k.requests, rid, json.dumps({"input": rid}))
+    # a batch of one (a token budget of 1), 8 read first; the ceiling lets 7 through
+    reply = queue.claim("w#1", 4, 1, 0, 8, ceiling=base + 6, batches=2)
+    assert [(r.id, r.lease_token) for r in reply.batch] == [("r00", "w#1"), ("r01", "w#1+")]
+    assert not conn.get(k.plan)
+    assert [r.id for r in queue.claim("w#2", 4, 1, 0, 8, batches=2).batch] == ["r02", "r03"]
+
+
 def test_a_lease_of_an_earlier_version_per_request_is_reaped(queue: RequestQueue) -> None:
     """A request leased by a version that kept one lease per request (its expiry in the
     `leased` set, its holder in `owner`, no lease of its claim) still comes back when that

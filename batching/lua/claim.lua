@@ -39,7 +39,8 @@
 --         none, a worker from before) one batch
 -- Returns {now_ms, wait_ms, n_expired, head_rank, ids, scheds, {attempts}, ahead_ids,
 --   n_next} when it leased something: n_next, the last ids' count, leased under the token
---   ARGV[1] .. '+' (a second batch: 0 for none), the rest under ARGV[1]; ids, scheds (each id's entry, '' for one without a readable
+--   ARGV[1] .. '+' (a second batch: 0 for none), the rest under ARGV[1]; ids, scheds
+--   (each id's entry, '' for one without a readable
 --   entry) and ahead_ids each one text, joined by newlines (reply_for); {attempts} an
 --   array, empty when no request has failed. The requests' payloads are not in it: the caller reads them
 --   after, with one plain HMGET of `requests` for the ids and the ahead ids (a request
@@ -856,7 +857,7 @@ rcall('SET', K.claim, table.concat({fmt_int(wait), fmt_int(head_rank), fmt_int(n
                                     fmt_int(n_unreadable), fmt_int(n_next), leased}, '\n'),
       'PX', lease_ms)
 -- the plan: this claim took its next batch (the rest stays), or read on and plans
-local read_on = not planned and not fair and not settled and #ids > window
+local read_on = not planned and not fair and not alike and #ids > window
 local n_planned = 0
 if planned then
   local first_line = plan_line(plan_estimated)
