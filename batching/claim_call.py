@@ -116,6 +116,15 @@ def lines(text: str) -> list[str]:
     return text.split("\n") if text else []
 
 
+def by_lease(requests: Sequence[Claimed]) -> list[list[Claimed]]:
+    """A claim's requests, a list per lease in the claim's order (its own batch, then a
+    deep queue's next one): each is run and committed as a batch of its own."""
+    leases: dict[str, list[Claimed]] = {}
+    for r in requests:
+        leases.setdefault(r.lease_token, []).append(r)
+    return list(leases.values())
+
+
 def claim_payload_ids(reply: list[Any]) -> list[str]:
     """The ids (of a reply ``opened``) whose payloads the caller of a claim reads after
     it, with one plain ``HMGET`` of ``requests``, in this order: the candidates to price,

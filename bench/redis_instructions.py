@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import redis
 
+from batchery.batching.claim_call import by_lease
 from batchery.batching.messages import Result
 from batchery.batching.queue import RequestQueue
 from batchery.batching.request import DEFAULT_PRIORITY, Request, map_requests
@@ -103,10 +104,7 @@ def drive(url: str, n: int, backlog: int, dump: Callable[[str], None], exact: bo
                 if not reply.batch:
                     raise SystemExit(f"a claim leased nothing: {reply}")
                 got += len(reply.batch)
-                leases: dict[str, list[Any]] = {}
-                for c in reply.batch:  # each lease committed as its own batch, as the worker does
-                    leases.setdefault(c.lease_token, []).append(c)
-                held += leases.values()
+                held += by_lease(reply.batch)  # each lease committed as its own batch
             if len(held) >= HELD or got >= size:
                 batch = held.pop(0)
                 items = [(c.id, c.lease_token, Result(id=c.id, status="ok", attempts=1).to_json())

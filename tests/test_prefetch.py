@@ -13,17 +13,26 @@ from batchery.workers.runners.custom import CallableRunner
 from tests.conftest import wait_for
 
 
-def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_name: str) -> None:
+def held_worker(redis_url: str, queue_name: str,
+                **options: Any) -> tuple[Worker, list[list[Any]], threading.Event]:
+    """A worker of batches of 2 whose model holds each batch until ``release`` is set;
+    ``ran``: the inputs of each batch it ran."""
     ran: list[list[Any]] = []
-    release = threading.Event()  # the first batch runs until the test lets it finish
+    release = threading.Event()
 
     def slow(inputs: list[Any]) -> list[Any]:
         ran.append(list(inputs))
         release.wait(30)
         return inputs
 
-    worker = Worker(RedisSettings.from_url(redis_url), CallableRunner(slow),
-                    WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0))
+    return (Worker(RedisSettings.from_url(redis_url), CallableRunner(slow),
+                   WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0, **options)),
+            ran, release)
+
+
+def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_name: str) -> None:
+    worker, ran, release = held_worker(redis_url, queue_name)  # the first batch runs until
+    # the test lets it finish
     with Client(redis_url, queue_name) as client:
         flood = client.enqueue_many({"input": f"flood {i}", "priority": "batch"} for i in range(6))
         thread = threading.Thread(target=worker.run, kwargs={"burst": True, "handle_signals": False})
@@ -48,16 +57,7 @@ def test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_
     after its own too, under a lease of its own, and the worker runs them in turn: the
     second still yields, before it runs, to a more urgent request that arrived meanwhile,
     as a batch claimed ahead does. Every request runs once."""
-    ran: list[list[Any]] = []
-    release = threading.Event()
-
-    def slow(inputs: list[Any]) -> list[Any]:
-        ran.append(list(inputs))
-        release.wait(30)
-        return inputs
-
-    worker = Worker(RedisSettings.from_url(redis_url), CallableRunner(slow),
-                    WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0, lookahead=4))
+    worker, ran, release = held_worker(redis_url, queue_name, lookahead=4)
     flood_inputs = [f"flood {i:02d}" for i in range(20)]  # deep: past 4 + 2 * 2
     with Client(redis_url, queue_name) as client:
         flood = client.enqueue_many({"input": v, "priority": "batch"} for v in flood_inputs)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import redis
 
-from batchery.batching.claim_call import ClaimReply
+from batchery.batching.claim_call import ClaimReply, by_lease
 from batchery.batching.messages import Claimed
 from batchery.batching.pricing import exact_counts
 from batchery.batching.sharded import ShardedQueue
@@ -138,10 +138,7 @@ class Claimer(threading.Thread):
         batch, reply = self.claim_requests(self.cap.apply(o.max_batch_size), o.max_batch_tokens,
                                            o.max_wait_ms, CLAIM_BATCHES)
         if batch:
-            leases: dict[str, list[Claimed]] = {}
-            for r in batch:
-                leases.setdefault(r.lease_token, []).append(r)
-            return reply.now_ms, list(leases.values())
+            return reply.now_ms, by_lease(batch)
         if reply.nothing_pending and self.burst and not held_before:
             return None
         self.idle(reply)

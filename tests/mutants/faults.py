@@ -561,7 +561,7 @@ FAULTS: tuple[Fault, ...] = (
           "local read_on = not planned and not fair and not settled and #ids > window\n",
           (SCRIPTS + "test_a_deep_claim_cut_short_by_its_ceiling_plans_none_of_what_it_leased",)),
     Fault("a worker runs a claim's two leases as one batch", "workers/claiming.py",
-          "            return reply.now_ms, list(leases.values())",
+          "            return reply.now_ms, by_lease(batch)",
           "            return reply.now_ms, [batch]",
           ("tests/test_prefetch.py::test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_request",)),
     # -- a restart between a script's load and its call ------------------------------------
