@@ -1,4 +1,6 @@
-"""Writing results back: one complete call (and one fail call) per batch, off the model thread."""
+"""Writing results back, off the model thread: one complete call (and one fail call) for
+the batches waiting to be written when the writer comes to them (group commit: one batch
+when Redis keeps up, several in one call when it does not)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from batchery.workers.leases import Leases
 
 log = logging.getLogger(__name__)
 BACKLOG = 8  # batches waiting to be written before the model thread waits for Redis
+NOTHING = object()  # ResultWriter.run: no item taken ahead
 
 
 class ResultWriter(threading.Thread):
@@ -46,30 +49,54 @@ class ResultWriter(threading.Thread):
         self.join()
 
     def run(self) -> None:
-        while (executed := self._backlog.get()) is not None:
-            if not isinstance(executed, Executed):
+        item = self._backlog.get()
+        while item is not None:
+            after: Any = NOTHING  # an item taken while gathering that is not a batch
+            if isinstance(item, Executed):
+                group = [item]
+                while len(group) < BACKLOG:  # the batches waiting join it: one call for all
+                    try:
+                        after = self._backlog.get_nowait()
+                    except queue.Empty:
+                        after = NOTHING
+                        break
+                    if not isinstance(after, Executed):
+                        break  # (a stream's text, or the end: after this commit, in order)
+                    group.append(after)
+                    after = NOTHING
+                self.commit(group)
+            else:
                 try:
-                    executed()
+                    item()
                 except Exception as exc:  # streams are best effort; results are not
                     log.warning("writing token streams failed: %s", exc)
-                continue
-            backoff = Backoff()
-            while True:
-                try:
-                    self.write(executed)
-                    break
-                except redis.RedisError as exc:
-                    if not transient(exc):  # the same call would fail forever
-                        self.give_up(executed, exc)
-                        break
-                    # keep the results; the leases may still hold
-                    wait_s = backoff.next()
-                    log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
-                    threading.Event().wait(wait_s)
-                except Exception:  # a bug: drop this batch; its leases expire and it reruns
-                    log.exception("could not write %d result(s)", len(executed.outcomes))
-                    self.leases.drop(o.request.id for o in executed.outcomes)
-                    break
+            item = self._backlog.get() if after is NOTHING else after
+
+    def commit(self, group: list[Executed]) -> None:
+        """Write ``group``'s results in one call, retried while Redis is away. Refused for
+        good: each batch is written alone, so only one Redis refuses gives up."""
+        backoff = Backoff()
+        while True:
+            try:
+                self.write(group)
+                return
+            except redis.RedisError as exc:
+                if not transient(exc):  # the same call would fail forever
+                    if len(group) == 1:
+                        self.give_up(group[0], exc)
+                    else:
+                        for executed in group:
+                            self.commit([executed])
+                    return
+                # keep the results; the leases may still hold
+                wait_s = backoff.next()
+                log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
+                threading.Event().wait(wait_s)
+            except Exception:  # a bug: drop these batches; their leases expire and they rerun
+                outcomes = [o for executed in group for o in executed.outcomes]
+                log.exception("could not write %d result(s)", len(outcomes))
+                self.leases.drop(o.request.id for o in outcomes)
+                return
 
     def give_up(self, executed: Executed, error: redis.RedisError) -> None:
         """Redis refuses the commit for good (out of memory, a setting it rejects): fail
@@ -98,23 +125,25 @@ class ResultWriter(threading.Thread):
                 log.error("releasing them failed too (%s); their leases will lapse", again)
         self.leases.drop(ids)
 
-    def write(self, executed: Executed) -> None:
+    def write(self, group: list[Executed]) -> None:
         began = tracing.clock()
-        final = [o for o in executed.outcomes if not o.retry]
-        failed = [o for o in executed.outcomes if o.retry]
-        encoded = [self._encode(o, executed.claimed_ms) for o in final]
-        totals = {"batches": len(executed.runs),
-                  "tokens": sum(run.tokens for run in executed.runs),
-                  "padded_tokens": sum(run.padded for run in executed.runs),
+        outcomes = [(o, e.claimed_ms) for e in group for o in e.outcomes]
+        final = [o for o, _ in outcomes if not o.retry]
+        failed = [o for o, _ in outcomes if o.retry]
+        encoded = [self._encode(o, claimed_ms) for o, claimed_ms in outcomes if not o.retry]
+        runs = [run for e in group for run in e.runs]
+        totals = {"batches": len(runs), "tokens": sum(run.tokens for run in runs),
+                  "padded_tokens": sum(run.padded for run in runs),
                   **Counter(status for status, _ in encoded)}
         # a heartbeat renewing while these commit finds their leases gone: not lost
-        self.leases.committing(o.request.id for o in executed.outcomes)
+        self.leases.committing(o.request.id for o, _ in outcomes)
         committed = self.queue.complete(
             [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
             totals, [o.request.client for o in final])
         verdicts = self.queue.fail([(o.request.id, o.request.lease_token,
-                                  self._encode(o, executed.claimed_ms, DEAD)[1]) for o in failed],
-                                [o.request.client for o in failed])
+                                     self._encode(o, claimed_ms, DEAD)[1])
+                                    for o, claimed_ms in outcomes if o.retry],
+                                   [o.request.client for o in failed])
         ended = tracing.clock()
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
@@ -130,7 +159,7 @@ class ResultWriter(threading.Thread):
         if lost:
             log.warning("discarded %d result(s): this worker no longer held their lease", lost)
         # before what follows: a heartbeat renewing meanwhile would count them as lost
-        self.leases.drop(o.request.id for o in executed.outcomes)
+        self.leases.drop(o.request.id for o, _ in outcomes)
         if self.on_committed:
             try:
                 self.on_committed([o for o, ok in zip(final, committed) if ok])

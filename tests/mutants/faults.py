@@ -564,6 +564,17 @@ FAULTS: tuple[Fault, ...] = (
           "            return reply.now_ms, by_lease(batch)",
           "            return reply.now_ms, [batch]",
           ("tests/test_prefetch.py::test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_request",)),
+    # -- the writer's group commit --------------------------------------------------------
+    Fault("the writer commits each waiting batch alone", "workers/results.py",
+          "                while len(group) < BACKLOG:", "                while False:",
+          ("tests/test_group_commit.py::test_batches_waiting_are_committed_in_one_call_in_order_with_stream_writes",)),
+    Fault("a group commit overtakes a stream write", "workers/results.py",
+          "                        break  # (a stream's text", "                        continue  # (a stream's text",
+          ("tests/test_group_commit.py::test_batches_waiting_are_committed_in_one_call_in_order_with_stream_writes",)),
+    Fault("a group Redis refuses for good is given up whole", "workers/results.py",
+          "                    if len(group) == 1:\n                        self.give_up(group[0], exc)",
+          "                    if True:\n                        for executed in group:\n                            self.give_up(executed, exc)",
+          ("tests/test_group_commit.py::test_a_group_redis_refuses_is_written_batch_by_batch_so_one_refused_batch_fails_alone",)),
     # -- a restart between a script's load and its call ------------------------------------
     Fault("a script lost again after its load is not called again", "batching/scripts.py",
           "    def call(keys: Any = None, args: Any = None) -> Any:\n        for tries_left in range(NOSCRIPT_TRIES - 1, -1, -1):",
