@@ -23,6 +23,7 @@ from batchery.workers.leases import Leases
 
 log = logging.getLogger(__name__)
 BACKLOG = 8  # batches waiting to be written before the model thread waits for Redis
+GROUP_MOST = 4  # batches one commit takes from those waiting (a group: ResultWriter.run)
 NOTHING = object()  # ResultWriter.run: no item taken ahead
 
 
@@ -51,17 +52,17 @@ class ResultWriter(threading.Thread):
     def run(self) -> None:
         item = self._backlog.get()
         while item is not None:
-            after: Any = NOTHING  # an item taken while gathering that is not a batch
+            after: Any = NOTHING  # an item taken while gathering that does not join the group
             if isinstance(item, Executed):
-                group = [item]
-                while len(group) < BACKLOG:  # the batches waiting join it: one call for all
+                group, shard = [item], self._shard_of(item)
+                while len(group) < GROUP_MOST:  # the batches of its shard waiting join it
                     try:
                         after = self._backlog.get_nowait()
                     except queue.Empty:
                         after = NOTHING
                         break
-                    if not isinstance(after, Executed):
-                        break  # (a stream's text, or the end: after this commit, in order)
+                    if not isinstance(after, Executed) or self._shard_of(after) is not shard:
+                        break  # (a stream's text, the end, another shard's batch: after this one)
                     group.append(after)
                     after = NOTHING
                 self.commit(group)
@@ -72,30 +73,39 @@ class ResultWriter(threading.Thread):
                     log.warning("writing token streams failed: %s", exc)
             item = self._backlog.get() if after is NOTHING else after
 
+    def _shard_of(self, executed: Executed) -> Any:
+        """The shard of a batch's requests (a batch is claimed from one shard)."""
+        return self.queue.shard(executed.outcomes[0].request.id) if executed.outcomes else None
+
     def commit(self, group: list[Executed]) -> None:
         """Write ``group``'s results in one call, retried while Redis is away. Refused for
-        good: each batch is written alone, so only one Redis refuses gives up."""
+        good (or a bug): a group is written again a batch at a time, so only the batch at
+        fault gives up."""
         backoff = Backoff()
         while True:
             try:
                 self.write(group)
                 return
             except redis.RedisError as exc:
-                if not transient(exc):  # the same call would fail forever
-                    if len(group) == 1:
-                        self.give_up(group[0], exc)
-                    else:
-                        for executed in group:
-                            self.commit([executed])
+                if transient(exc):  # keep the results; the leases may still hold
+                    wait_s = backoff.next()
+                    log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
+                    threading.Event().wait(wait_s)
+                    continue
+                if len(group) > 1:  # the same call would fail forever: each batch alone
+                    for executed in group:
+                        self.commit([executed])
+                else:
+                    self.give_up(group[0], exc)
+                return
+            except Exception:
+                if len(group) > 1:
+                    for executed in group:
+                        self.commit([executed])
                     return
-                # keep the results; the leases may still hold
-                wait_s = backoff.next()
-                log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
-                threading.Event().wait(wait_s)
-            except Exception:  # a bug: drop these batches; their leases expire and they rerun
-                outcomes = [o for executed in group for o in executed.outcomes]
-                log.exception("could not write %d result(s)", len(outcomes))
-                self.leases.drop(o.request.id for o in outcomes)
+                # a bug: drop this batch; its leases expire and it reruns
+                log.exception("could not write %d result(s)", len(group[0].outcomes))
+                self.leases.drop(o.request.id for o in group[0].outcomes)
                 return
 
     def give_up(self, executed: Executed, error: redis.RedisError) -> None:
@@ -131,19 +141,24 @@ class ResultWriter(threading.Thread):
         final = [o for o, _ in outcomes if not o.retry]
         failed = [o for o, _ in outcomes if o.retry]
         encoded = [self._encode(o, claimed_ms) for o, claimed_ms in outcomes if not o.retry]
-        runs = [run for e in group for run in e.runs]
+        # a batch whose every request is retried adds no totals, alone or in a group
+        # (RequestQueue.complete sends nothing for it alone)
+        runs = [run for e in group if any(not o.retry for o in e.outcomes) for run in e.runs]
         totals = {"batches": len(runs), "tokens": sum(run.tokens for run in runs),
                   "padded_tokens": sum(run.padded for run in runs),
                   **Counter(status for status, _ in encoded)}
         # a heartbeat renewing while these commit finds their leases gone: not lost
         self.leases.committing(o.request.id for o, _ in outcomes)
-        committed = self.queue.complete(
-            [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
-            totals, [o.request.client for o in final])
+        # the retries first: a group Redis refuses for good is written again a batch at a
+        # time, and a fail sent again finds its leases let go (nothing done twice), where a
+        # commit sent again would add its totals again
         verdicts = self.queue.fail([(o.request.id, o.request.lease_token,
                                      self._encode(o, claimed_ms, DEAD)[1])
                                     for o, claimed_ms in outcomes if o.retry],
                                    [o.request.client for o in failed])
+        committed = self.queue.complete(
+            [(o.request.id, o.request.lease_token, payload) for o, (_, payload) in zip(final, encoded)],
+            totals, [o.request.client for o in final])
         ended = tracing.clock()
         finished = Counter((o.request.priority, status)
                            for o, (status, _), ok in zip(final, encoded, committed) if ok)
