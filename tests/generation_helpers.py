@@ -42,6 +42,9 @@ def generate_worker(redis_url: str, queue_name: str, runner: Any,
     # deadline would pass)
     with Client(redis_url, queue_name) as c:
         wait_for(lambda: c.queue.stats()["workers"] == 1, 30, message="the worker registered")
+    # and its decode loop made (a test reads worker.loop: on a loaded machine the worker
+    # registers before it makes the loop)
+    wait_for(lambda: getattr(w, "loop", None) is not None, 30, message="the decode loop made")
     yield w
     w.stop.set()
     thread.join(30)
