@@ -91,7 +91,7 @@ def test_the_page_matches_stats_and_its_retry_button_works(
                      message="the stopped worker gone from the page")
             wait_for(lambda: click(browser, f'#dead tr[data-dead="{handles[1].id}"] button'), 10,
                      0.05, message="a click on the dead letter's retry button")
-            wait_for(lambda: "1 request(s) back in queue" in text_of(browser, "#flash"), 10, 0.1,
+            wait_for(lambda: "1 request(s) back in queue" in text_of(browser, "#flash"), 30, 0.1,
                      message="the retry button's answer")
             expected = stats_json(redis_url, served)
             assert expected["dead"] == 0 and expected["pending"] == 1
