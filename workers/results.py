@@ -86,26 +86,20 @@ class ResultWriter(threading.Thread):
             try:
                 self.write(group)
                 return
-            except redis.RedisError as exc:
-                if transient(exc):  # keep the results; the leases may still hold
-                    wait_s = backoff.next()
+            except Exception as exc:
+                if isinstance(exc, redis.RedisError) and transient(exc):
+                    wait_s = backoff.next()  # keep the results; the leases may still hold
                     log.warning("writing results failed (%s); retrying in %.1fs", exc, wait_s)
                     threading.Event().wait(wait_s)
                     continue
-                if len(group) > 1:  # the same call would fail forever: each batch alone
+                if len(group) > 1:  # the same call would fail again: each batch alone
                     for executed in group:
                         self.commit([executed])
-                else:
+                elif isinstance(exc, redis.RedisError):  # refused for good
                     self.give_up(group[0], exc)
-                return
-            except Exception:
-                if len(group) > 1:
-                    for executed in group:
-                        self.commit([executed])
-                    return
-                # a bug: drop this batch; its leases expire and it reruns
-                log.exception("could not write %d result(s)", len(group[0].outcomes))
-                self.leases.drop(o.request.id for o in group[0].outcomes)
+                else:  # a bug: drop this batch; its leases expire and it reruns
+                    log.exception("could not write %d result(s)", len(group[0].outcomes))
+                    self.leases.drop(o.request.id for o in group[0].outcomes)
                 return
 
     def give_up(self, executed: Executed, error: redis.RedisError) -> None:

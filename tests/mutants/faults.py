@@ -576,8 +576,8 @@ FAULTS: tuple[Fault, ...] = (
           "                if callable(after):\n                    after()\n                    after = NOTHING\n                self.commit(group)\n",
           ("tests/test_group_commit.py::test_batches_waiting_are_committed_in_one_call_in_order_with_stream_writes",)),
     Fault("a group Redis refuses for good is given up whole", "workers/results.py",
-          "                if len(group) > 1:  # the same call would fail forever: each batch alone\n                    for executed in group:\n                        self.commit([executed])",
-          "                if len(group) > 1:  # the same call would fail forever: each batch alone\n                    for executed in group:\n                        self.give_up(executed, exc)",
+          "                if len(group) > 1:  # the same call would fail again: each batch alone\n                    for executed in group:\n                        self.commit([executed])",
+          "                if len(group) > 1:  # the same call would fail again: each batch alone\n                    for executed in group:\n                        self.give_up(executed, exc)",
           ("tests/test_group_commit.py::test_a_group_redis_refuses_is_written_batch_by_batch_so_one_refused_batch_fails_alone",)),
     # -- a restart between a script's load and its call ------------------------------------
     Fault("a script lost again after its load is not called again", "batching/scripts.py",
