@@ -4,7 +4,8 @@ jobs feed the request queue side by side (one RQ worker runs one job at a time).
 Each child is ``batchery job worker --jobs 1`` with the same options; the Redis URL goes
 to it in the environment, never on a command line (where ``ps`` would show a password).
 SIGTERM and SIGINT are passed on to every child (each hands its running job back); a
-child that dies is started again after a pause; the parent exits when all have exited.
+child that dies is started again after a pause, unless a stop came meanwhile; the parent
+exits when all have exited.
 On Linux a child is killed with its parent (SIGKILL included): its job is then abandoned
 and re-run by RQ, as a lone jobs worker's would be.
 """
@@ -64,8 +65,11 @@ def run_pool(options: list[list[str]], redis_url: str) -> int:
                 log.warning("jobs worker %d exited with %d; starting it again in %.0fs",
                             i, code, RESTART_PAUSE_S)
                 time.sleep(RESTART_PAUSE_S)
-                children[i] = _start(argvs[i], env)
-            else:
-                codes[i] = code
+                if not stopping:  # a stop during the pause: nothing to start again
+                    children[i] = _start(argvs[i], env)
+                    if stopping:  # it came while the child started: the child missed it
+                        children[i].send_signal(stopping[-1])
+                    continue
+            codes[i] = code
         time.sleep(0.2)
     return max(codes.values())

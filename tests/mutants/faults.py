@@ -293,6 +293,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("job status --watch exits 0 on failure", "producer/jobs/cli.py",
           "        ctx.exit(NotOk.exit_code)", "        ctx.exit(0)",
           ("tests/test_jobs.py::test_job_status_watch_exits_7_when_the_job_is_cancelled",)),
+    Fault("a jobs worker pool restarts a dead child behind a stop", "producer/jobs/pool.py",
+          "                if not stopping:  # a stop during the pause: nothing to start again\n"
+          "                    children[i] = _start(argvs[i], env)\n"
+          "                    if stopping:  # it came while the child started: the child missed it\n"
+          "                        children[i].send_signal(stopping[-1])\n",
+          "                if True:\n                    children[i] = _start(argvs[i], env)\n",
+          ("tests/test_jobs_pool.py::test_a_stop_while_a_dead_child_waits_to_restart_stops_the_pool",)),
     Fault("calibration keeps the fastest size", "workers/calibrate.py",
           "    return min(s for s, r in rates.items() if r >= (1 - TOLERANCE) * best)",
           "    return max(rates, key=rates.__getitem__)",
