@@ -110,7 +110,7 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, retry=None, socket_connect_timeout=1)
         try:
-            wait_for(lambda: pings(client), 15, message=f"redis-server on port {self.port}")
+            wait_for(lambda: pings(client), 30, message=f"redis-server on port {self.port}")
         except AssertionError:
             self.stop(signal.SIGKILL)
             raise

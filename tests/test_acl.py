@@ -59,7 +59,7 @@ def test_a_producer_and_a_worker_user_run_a_queue(acl_redis: RedisServer, queue_
             results = [h.result(timeout=30) for h in client.enqueue_many(
                 [{"input": i} for i in range(20)])]
             assert [r.output["echo"] for r in results] == list(range(20))
-            wait_for(lambda: client.queue.lookup([results[0].id]) == [False], 10,
+            wait_for(lambda: client.queue.lookup([results[0].id]) == [False], 30,
                      message="the delivered result deleted by the producer")
             assert list(client.map(["a", "b"], timeout=30))
         with Client(url(acl_redis, "producer"), f"{queue_name}-idle") as client:

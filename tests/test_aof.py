@@ -39,7 +39,7 @@ def kill_server(home: Path) -> None:
     pid = int((home / "redis.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not Path(f"/proc/{pid}").exists() or
-             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", 15,
+             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", 30,
              message="the server to die")
 
 

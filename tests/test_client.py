@@ -169,7 +169,7 @@ def _count_blocking_reads(redis_url: str, queue_name: str, rconn) -> None:
 
         def blocked_now() -> int:  # flag "b": waiting in a blocking command right now
             return sum(1 for c in rconn.client_list() if "b" in c["flags"])
-        wait_for(lambda: blocked_now() >= 1, 10, message="the waiters to block on their reply list")
+        wait_for(lambda: blocked_now() >= 1, 30, message="the waiters to block on their reply list")
         samples = []
         for _ in range(20):
             samples.append(blocked_now())

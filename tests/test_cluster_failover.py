@@ -47,7 +47,7 @@ def cut_replication(master_port: int, replica_port: int) -> None:
         assert master.execute_command("WAIT", 1, 5000) == 1
         replica.config_set("masterauth", "not-the-password")
         master.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        wait_for(lambda: replica.info("replication")["master_link_status"] == "down", 10,
+        wait_for(lambda: replica.info("replication")["master_link_status"] == "down", 30,
                  message="the replication link down")
 
 

@@ -46,7 +46,7 @@ def scene(redis_url: str, rconn: redis.Redis, queue_name: str, tmp_path: Path) -
                                  for i, p in enumerate(["realtime", "normal", "normal", "batch"])])
         queue = RequestQueue(rconn, served)
         wait_for(lambda: next((w for w in queue.worker_reports()[1] if int(w.get("runs", 0))), None),
-                 15, 0.1, message="the worker's report after its batch")
+                 30, 0.1, message="the worker's report after its batch")
         yield {"served": served, "idle": idle, "worker": worker, "dead_id": bad.id}
     finally:
         stop_process(worker)
@@ -83,7 +83,7 @@ def test_state_holds_the_stats_workers_dead_letters_and_aging(redis_url: str, sc
         assert dead["error_type"] == "RuntimeError" and "cannot process 'bad'" in dead["error"]
         assert "input" not in dead  # payloads stay hidden unless asked for
 
-        wait_for(lambda: len(board.state()["queues"][scene["idle"]]["history"]) >= 2, 10, 0.2,
+        wait_for(lambda: len(board.state()["queues"][scene["idle"]]["history"]) >= 2, 30, 0.2,
                  message="two depth samples")
         html = board.get("").body
         assert f'data-queue="{scene["idle"]}"' in html and "<svg" in html
@@ -154,7 +154,7 @@ def test_a_worker_that_stops_renewing_shows_as_stale(redis_url: str, scene: dict
         def stale() -> dict[str, Any] | None:
             return next((w for w in board.state()["workers"]
                          if w["queue"] == scene["served"] and not w["live"]), None)
-        worker = wait_for(stale, 15, 0.2, message="the killed worker shown as stale")
+        worker = wait_for(stale, 30, 0.2, message="the killed worker shown as stale")
         assert worker["seen_s"] >= 2
         alerts = board.state()["alerts"]
         assert any(a.startswith(f"worker {worker['id']}") and "stopped renewing" in a for a in alerts)

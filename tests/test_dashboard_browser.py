@@ -77,7 +77,7 @@ def test_the_page_matches_stats_and_its_retry_button_works(
             browser.execute_script("window.notReloaded = true")
             for queue in (served, idle):  # the worker is live and idle: nothing moves
                 expected = stats_json(redis_url, queue)
-                wait_for(lambda: page_numbers(browser, queue) == expected, 10, 0.2,
+                wait_for(lambda: page_numbers(browser, queue) == expected, 30, 0.2,
                          message=f"{queue} on the page equal to {expected}")
             assert page_numbers(browser, idle)["pending_by_priority"] == {
                 "batch": 2, "normal": 1, "realtime": 1}
@@ -87,15 +87,15 @@ def test_the_page_matches_stats_and_its_retry_button_works(
             assert "tests.runners:fails_on_bad" in worker_row and "live" in worker_row
 
             assert stop_process(worker) == 0  # so the retried request stays pending
-            wait_for(lambda: page_numbers(browser, served)["workers"] == 0, 10, 0.2,
+            wait_for(lambda: page_numbers(browser, served)["workers"] == 0, 30, 0.2,
                      message="the stopped worker gone from the page")
-            wait_for(lambda: click(browser, f'#dead tr[data-dead="{handles[1].id}"] button'), 10,
+            wait_for(lambda: click(browser, f'#dead tr[data-dead="{handles[1].id}"] button'), 30,
                      0.05, message="a click on the dead letter's retry button")
             wait_for(lambda: "1 request(s) back in queue" in text_of(browser, "#flash"), 30, 0.1,
                      message="the retry button's answer")
             expected = stats_json(redis_url, served)
             assert expected["dead"] == 0 and expected["pending"] == 1
-            wait_for(lambda: page_numbers(browser, served) == expected, 10, 0.2,
+            wait_for(lambda: page_numbers(browser, served) == expected, 30, 0.2,
                      message=f"the page after retry equal to {expected}")
             assert browser.execute_script("return window.notReloaded") is True
             if os.environ.get(ENV_SCREENSHOT):

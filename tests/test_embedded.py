@@ -27,7 +27,7 @@ def embedded(home: Path) -> Iterator[Path]:
     """BATCHERY_HOME for a test; whatever server it started is stopped after it."""
     yield home
     stop()
-    wait_for(lambda: not servers_on(home), 15, message="the embedded server to stop")
+    wait_for(lambda: not servers_on(home), 30, message="the embedded server to stop")
 
 
 def servers_on(home: Path) -> list[int]:
@@ -138,4 +138,4 @@ def test_a_home_too_long_for_a_socket_path_still_works(tmp_path: Path, queue_nam
         assert any(home.glob("appendonly*"))  # the data stays in the long home
     finally:
         stop()
-        wait_for(lambda: not servers_on(home), 15, message="the embedded server to stop")
+        wait_for(lambda: not servers_on(home), 30, message="the embedded server to stop")

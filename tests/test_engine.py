@@ -91,7 +91,7 @@ def test_cancel_aborts_it_in_the_engine_with_the_text_so_far(client, runner) -> 
     assert result.status == "cancelled" and result.output["finish_reason"] == "cancelled"
     assert result.output["text"] == "".join(e.text for e in events[:-1])
     assert 0 < result.output["tokens"] < 400
-    wait_for(lambda: any(r.startswith(f"{handle.id}@") for r in runner.engine.aborted), 10,
+    wait_for(lambda: any(r.startswith(f"{handle.id}@") for r in runner.engine.aborted), 30,
              message="the abort in the engine")
     assert not runner.engine.has_unfinished_requests()
 

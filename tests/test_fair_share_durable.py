@@ -74,7 +74,7 @@ def test_counters_and_places_survive_an_aof_restart_and_a_worker_kill(queue_name
 
         # the killed worker's batch comes back to its place: its rank, its sub-queue
         assert held  # (a worker busy with 30 ms batches, claiming the next one ahead)
-        wait_for(lambda: queue.reap() and not conn.zcard(queue.keys.lease_expiry), 10,
+        wait_for(lambda: queue.reap() and not conn.zcard(queue.keys.lease_expiry), 30,
                  message="the killed worker's leases to lapse")
         ranks = dict(before["sched"])
         members = {m.split("\t")[3]: m for m in conn.zrange(queue.keys.fair, 0, -1)}

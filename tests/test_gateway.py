@@ -173,10 +173,10 @@ def test_tiers_and_the_header_set_the_class_and_a_disconnect_cancels(gateway, qu
             call = threading.Thread(target=_swallow, args=(lambda: impatient.chat.completions.create(
                 model=queues["idle"], messages=[{"role": "user", "content": "waits"}], **ask),))
             call.start()
-            wait_for(lambda: direct.queue.stats()["pending_by_priority"] == {expected: 1}, 10,
+            wait_for(lambda: direct.queue.stats()["pending_by_priority"] == {expected: 1}, 30,
                      message=f"one {expected} request pending")
             call.join(30)  # the SDK gave up: the gateway cancels its request
-            wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
+            wait_for(lambda: direct.queue.stats()["pending"] == 0, 30,
                      message="the disconnected caller's request cancelled")
     # the waits a disconnect ends are read, not logged as an exception never retrieved
     assert "Traceback" not in gateway.log.read_text()[logged_before:]
@@ -188,9 +188,9 @@ def test_a_stream_whose_client_goes_away_is_cancelled(gateway, queues, redis_ser
         connection = http.client.HTTPConnection(gateway.url.removeprefix("http://"), timeout=30)
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         assert connection.getresponse().status == 200  # the stream began: headers sent
-        wait_for(lambda: direct.queue.stats()["pending"] == 1, 10, message="the request queued")
+        wait_for(lambda: direct.queue.stats()["pending"] == 1, 30, message="the request queued")
         connection.close()
-        wait_for(lambda: direct.queue.stats()["pending"] == 0, 10,
+        wait_for(lambda: direct.queue.stats()["pending"] == 0, 30,
                  message="the streamed request cancelled once its client left")
 
 

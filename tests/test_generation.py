@@ -400,7 +400,7 @@ def test_a_generate_worker_reports_its_model_device_and_counts(redis_url, queue_
             _, workers = client.queue.worker_reports()
             mine = [w for w in workers if w["id"] == worker.id]
             return mine[0] if mine and int(mine[0].get("requests", 0)) == 2 else None
-        info = wait_for(report, timeout=10, message="the worker's report after two requests")
+        info = wait_for(report, timeout=30, message="the worker's report after two requests")
         assert info["model"] == "generate tiny-gpt2" and info["device"] == "cpu"
         prompt = len(runner.sequence(None, "hello").prompt_ids)
         # through the model: both prompts, then each token but the last fed back

@@ -248,8 +248,8 @@ def test_the_prefix_cache_option_is_checked_and_sized_from_the_kv_budget(redis_u
     with pytest.raises(ConfigError, match="--prefix-cache-tokens must be 0 or more"):
         WorkerOptions(prefix_cache_tokens=-1)
     with generate_worker(redis_url, queue_name, runner, max_batch_tokens=1000) as worker:
-        loop = wait_for(lambda: getattr(worker, "loop", None), 10, message="the decode loop")
+        loop = wait_for(lambda: getattr(worker, "loop", None), 30, message="the decode loop")
         assert loop.batch.prefixes.capacity == 250 // B  # a quarter of the budget
     with generate_worker(redis_url, queue_name, runner, prefix_cache_tokens=0) as worker:
-        loop = wait_for(lambda: getattr(worker, "loop", None), 10, message="the decode loop")
+        loop = wait_for(lambda: getattr(worker, "loop", None), 30, message="the decode loop")
         assert loop.batch.prefixes is None

@@ -114,14 +114,14 @@ def test_an_expired_dead_letter_never_blocks_its_id(queue: RequestQueue) -> None
     queue.update_settings(max_attempts=1, result_ttl=1, dead_ttl=1)
     queue.enqueue([Request(id="x", input="old"), Request(id="y", input="old")], "c")
     assert fail_all(queue, queue.claim("w#1", 10, 10_000, 0, 10).batch) == [2, 2]
-    wait_for(lambda: queue.result("x") is None, timeout=10)
+    wait_for(lambda: queue.result("x") is None, timeout=30)
     # before any reaper ran: the id whose dead result is gone is new again
     assert queue.enqueue([Request(id="x", input="new")], "c") == [True]
     again = queue.claim("w#2", 10, 10_000, 0, 10).batch
     assert [(r.id, r.input, r.attempt) for r in again] == [("x", "new", 1)]
     assert queue.client.zrange(queue.keys.dead, 0, -1) == ["y"]
     # the reaper forgets a dead letter older than dead_ttl
-    wait_for(lambda: queue.reap() and queue.client.zcard(queue.keys.dead) == 0, timeout=10)
+    wait_for(lambda: queue.reap() and queue.client.zcard(queue.keys.dead) == 0, timeout=30)
     k = queue.keys
     assert [queue.client.hexists(h, "y") for h in (k.requests, k.sched, k.attempts, k.history)] == [False] * 4
     assert queue.enqueue([Request(id="y", input="new")], "c") == [True]
@@ -255,7 +255,7 @@ def test_scripts_touch_only_the_keys_they_declare(queue: RequestQueue) -> None:
     assert queue.renew("w", [(d.id, d.lease_token)]) == []
     assert queue.lookup(["a", "b", "c"]) == [queue.result("a"), queue.result("b"), True]
     assert queue.revive(everything=True) == 1 and queue.purge(["x"], everything=True) == 0
-    wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=10)  # d's lease lapsed: dead
+    wait_for(lambda: queue.reap() == Reaped(dead=["d"]), timeout=30)  # d's lease lapsed: dead
     assert queue.renew("w", []) == []
     assert queue.stats()["dead"] == 1 and queue.forget_workers(3600) == 1
     # ids the client made (no result key declared) and a commit of a reader reading alone
@@ -557,7 +557,7 @@ def test_retried_renew_release_and_reap_change_nothing_twice(
     assert queue.client.zrange(queue.keys.pending, 0, -1) == ["b"]
     assert queue.stats()["pending"] == 1 and queue.depth() == {"normal": 1}
     lose_next_reply(proxy, through_proxy, "reap")
-    wait_for(lambda: (through_proxy.reap(), queue.stats()["pending"] == 3)[1], timeout=10,
+    wait_for(lambda: (through_proxy.reap(), queue.stats()["pending"] == 3)[1], timeout=30,
              message="a and c's leases to lapse and be taken back")
     assert proxy.faults["replies dropped on purpose"] == 3
     assert sorted(queue.client.zrange(queue.keys.pending, 0, -1)) == ["a", "b", "c"]

@@ -65,7 +65,7 @@ def test_a_request_redis_lost_ends_its_waiters_with_a_clear_error(queue_name: st
                     stream_error.append(exc)
             consumer = threading.Thread(target=consume)
             consumer.start()
-            wait_for(lambda: client.queue.lookup(ids) == [True] * 3, 10, message="streamed")
+            wait_for(lambda: client.queue.lookup(ids) == [True] * 3, 30, message="streamed")
 
             async def wait_async() -> BaseException:
                 async with AsyncClient(server.url, queue_name) as ac:

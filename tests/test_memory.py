@@ -158,13 +158,13 @@ def test_delivered_results_are_deleted_unless_the_queue_keeps_them(redis_url: st
         handle = client.enqueue("once")
         unwatched = client.enqueue_many([{"input": "nobody waits"}], reply=False)[0]
         assert handle.result(timeout=30).output["echo"] == "once"
-        wait_for(lambda: client.queue.lookup([handle.id]) == [False], 10,
+        wait_for(lambda: client.queue.lookup([handle.id]) == [False], 30,
                  message="the delivered result is deleted")
         assert handle.result(timeout=1).output["echo"] == "once"  # the handle keeps it
         streamed = list(client.stream([{"id": f"{queue_name}-s{i}", "input": i} for i in range(2)],
                                       timeout=30))
         assert len(streamed) == 2
-        wait_for(lambda: client.queue.lookup([r.id for r in streamed]) == [False, False], 10,
+        wait_for(lambda: client.queue.lookup([r.id for r in streamed]) == [False, False], 30,
                  message="results delivered to a stream are deleted")
         kept = wait_for(lambda: client.get(unwatched.id), 30, message="the unwatched result")
         assert kept.output["echo"] == "nobody waits"  # not delivered to anyone: kept
@@ -173,7 +173,7 @@ def test_delivered_results_are_deleted_unless_the_queue_keeps_them(redis_url: st
             async with AsyncClient(redis_url, queue_name) as ac:
                 return (await (await ac.enqueue("async once")).result(timeout=30)).id
         async_id = asyncio.run(via_async())
-        wait_for(lambda: client.queue.lookup([async_id]) == [False], 10,
+        wait_for(lambda: client.queue.lookup([async_id]) == [False], 30,
                  message="the result delivered to the async client is deleted")
 
         client.queue.update_settings(delete_delivered=False)

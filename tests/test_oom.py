@@ -107,7 +107,7 @@ def test_the_batch_cap_lifts_after_its_hold(redis_url: str, queue_name: str) -> 
     """Once the hold has passed, whole batches run again."""
     def lifted(client: Client) -> None:
         passed = time.monotonic() + 0.5  # the hold, counted from after the last OOM
-        wait_for(lambda: time.monotonic() > passed, 10, message="the hold to pass")
+        wait_for(lambda: time.monotonic() > passed, 30, message="the hold to pass")
         third = client.enqueue_many([{"input": i} for i in range(16)])
         assert {h.result(timeout=10).batch_size for h in third} == {16}
     after_an_oom(redis_url, queue_name, 0.5, lifted)

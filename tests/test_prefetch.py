@@ -38,7 +38,7 @@ def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_n
         thread = threading.Thread(target=worker.run, kwargs={"burst": True, "handle_signals": False})
         thread.start()
         # one batch running, the next one claimed ahead
-        wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 10, message="a prefetch")
+        wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 30, message="a prefetch")
         urgent = client.enqueue("urgent", priority="realtime")
         try:  # it arrived while the first batch runs, with the next batch claimed ahead
             assert len(ran) == 1 and client.queue.stats()["inflight"] == 4
@@ -64,7 +64,7 @@ def test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_
         thread = threading.Thread(target=worker.run, kwargs={"burst": True, "handle_signals": False})
         thread.start()
         try:  # (let the model go whatever fails: a stuck worker thread would hold the test)
-            wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 10, message="a claim")
+            wait_for(lambda: ran and client.queue.stats()["inflight"] == 4, 30, message="a claim")
             leases = client.queue.shards[0].leases()  # its batch running, the next its own lease
             urgent = client.enqueue("urgent", priority="realtime")
             assert len(ran) == 1 and len(leases) == 2

@@ -235,7 +235,7 @@ def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_
                                                                         runners.slow):
             client.queue.update_settings(delete_delivered=False)  # read it again below
             handle = client.enqueue("slow one")
-            wait_for(lambda: client.queue.stats()["inflight"] == 1, 10)
+            wait_for(lambda: client.queue.stats()["inflight"] == 1, 30)
             assert handle.cancel() is True
             assert handle.result(timeout=5).status == "cancelled"
             # the batch finishes and tries to commit: wait for that commit, then look again

@@ -361,7 +361,7 @@ def test_a_client_killed_while_its_requests_run_has_every_result_kept_by_id(
         assert len(ids) == 40
         k = Keys(queue_name)
         with redis.Redis.from_url(redis_url, decode_responses=True) as conn:
-            wait_for(lambda: conn.get(k.reader(dead)) == "1", 10, message="its reader marked")
+            wait_for(lambda: conn.get(k.reader(dead)) == "1", 30, message="its reader marked")
         child.send_signal(signal.SIGKILL)
         child.wait(30)
         gate.unlink()  # the batches run while the dead client's mark still lasts

@@ -428,13 +428,13 @@ def test_idle_worker_wakes_for_any_shard(cluster: list[RedisServer], queue_name:
         woke: list[float] = []
         waiter = threading.Thread(target=lambda: woke.append(_timed(queue.wait_for_work, 30)))
         waiter.start()
-        wait_for(lambda: queue._wake.idle.is_set(), 10, 0.01, "the worker to wait")
+        wait_for(lambda: queue._wake.idle.is_set(), 30, 0.01, "the worker to wait")
         queue.enqueue([Request(id=request_id, input=i)])
         waiter.join(30)
         assert woke and woke[0] < 10, (request_id, woke)  # far below the 30 s timeout
     shard = queue.shard("late")  # its worker is busy: the token goes back to the list
     queue.enqueue([Request(id="late", input=0)])
-    wait_for(lambda: conn.llen(shard.keys.wake) >= 1, 10, 0.05, "the token put back")
+    wait_for(lambda: conn.llen(shard.keys.wake) >= 1, 30, 0.05, "the token put back")
     queue.stop_waking()
     conn.close()  # a watcher still reading with it leaves quietly (no thread exception)
 

@@ -28,7 +28,7 @@ def test_the_reaper_takes_back_expired_leases_on_every_shard(redis_url: str,
     for shard in queue.shards:  # one claim per shard: the dead worker held them all
         assert len(shard.claim("dead#1", 10, 10_000, 0, 16).batch) == 2
     assert queue.stats()["inflight"] == 6
-    reaped = wait_for(lambda: queue.reap().requeued, 10, 0.1, "the leases to lapse and be reaped")
+    reaped = wait_for(lambda: queue.reap().requeued, 30, 0.1, "the leases to lapse and be reaped")
     reaped += queue.reap().requeued  # a shard whose lease lapsed a moment later
     assert sorted(reaped) == sorted(ids)
     assert queue.stats()["pending"] == 6 and queue.stats()["inflight"] == 0
@@ -47,7 +47,7 @@ def test_idle_worker_wakes_for_any_shard_on_one_redis(redis_url: str, queue_name
         waiter.start()
         # blocked in its BLPOP (CLIENT LIST shows the command) before the enqueue
         wait_for(lambda: any(c["cmd"] == "blpop" and c["name"] == queue_name
-                             for c in conn.client_list()), 10, 0.01, "the worker to block")
+                             for c in conn.client_list()), 30, 0.01, "the worker to block")
         queue.enqueue([Request(id=request_id, input=i)])
         waiter.join(60)
         assert woke and woke[0] < 30, (request_id, woke)  # far below the 60 s timeout

@@ -201,7 +201,7 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
                        redis_url=redis_url)
         assert done.returncode == 0 and done.stdout.count('"ok"') == 2
         # one port for the whole pool: the parent adds up its children's metrics
-        wait_for(lambda: scraped("batchery_requests_total{") == 2, 10, interval=0.2,
+        wait_for(lambda: scraped("batchery_requests_total{") == 2, 30, interval=0.2,
                  message="both requests counted on the pool's one metrics port")
         first = children()
         os.kill(min(first), signal.SIGKILL)  # a crashed child is replaced
@@ -209,7 +209,7 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
                  message="the crashed process to be restarted")
     finally:
         assert stop_process(parent, signal.SIGTERM) == 0
-    wait_for(lambda: live_workers() == 0, 10, interval=0.3, message="no live workers")
+    wait_for(lambda: live_workers() == 0, 30, interval=0.3, message="no live workers")
 
 
 def test_concurrency_spreads_its_processes_over_the_gpus(redis_url: str, queue_name: str,
