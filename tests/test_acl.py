@@ -64,7 +64,7 @@ def test_a_producer_and_a_worker_user_run_a_queue(acl_redis: RedisServer, queue_
             assert list(client.map(["a", "b"], timeout=30))
         with Client(url(acl_redis, "producer"), f"{queue_name}-idle") as client:
             handle = client.enqueue("cancel me")
-            assert handle.cancel() and handle.result(timeout=10).status == "cancelled"
+            assert handle.cancel() and handle.result(timeout=30).status == "cancelled"
             # a second tenant's work beside the first's: the producer lists the backlog
             handles = [*client.enqueue_many([{"input": i, "tenant": "a"} for i in range(5)]),
                        *client.enqueue_many([{"input": 9, "tenant": "b"}])]

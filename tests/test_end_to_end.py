@@ -22,7 +22,7 @@ def test_enqueue_run_and_await(redis_url: str, queue_name: str) -> None:
         handles = [client.enqueue(f"text {i}", priority=p)
                    for i, p in enumerate(["realtime", "normal", "batch"] * 5)]
         worker = run_burst(redis_url, queue_name, max_batch_size=8)
-        results = [h.result(timeout=10) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert [r.status for r in results] == ["ok"] * 15
     assert [r.output["echo"] for r in results] == [f"text {i}" for i in range(15)]
     assert all(r.attempts == 1 and r.worker == worker.id for r in results)

@@ -232,7 +232,7 @@ def test_stop_hands_back_claimed_requests_not_started(redis_url, queue_name, run
         wait_for(lambda: any(s.key.request.id == waiting.id for s in w.loop.waiting), 30,
                  0.01, "the second request claimed, waiting for room")
         assert client.queue.stats()["inflight"] == 2
-    assert running.result(timeout=5).output["tokens"] == LONG
+    assert running.result(timeout=30).output["tokens"] == LONG
     assert client.get(waiting.id) is None  # not run
     stats = client.queue.stats()
     assert (stats["pending"], stats["inflight"]) == (1, 0)  # back in the queue, unleased
@@ -315,7 +315,7 @@ def test_a_crash_reruns_from_the_start_and_sigterm_finishes_what_runs(redis_url,
         result = events[-1].result
         assert result.status == "ok" and result.attempts == 2 and result.output["tokens"] == 200
         assert "".join(e.text for e in after) == result.output["text"]
-        assert running.result(timeout=5).output["tokens"] == 50
+        assert running.result(timeout=30).output["tokens"] == 50
 
 
 def stream_entries(client: Client, request_id: str) -> list[tuple[int, dict[str, str]]]:

@@ -524,7 +524,7 @@ def test_a_retried_enqueue_reports_its_ids_as_accepted(queue: RequestQueue, redi
         assert sorted(r.id for r in batch) == sorted(["a", "b", *(h.id for h in handles)])
         queue.complete([(r.id, r.lease_token, Result(r.id, "ok", r.input).to_json()) for r in batch], {},
                        [r.client for r in batch])
-        assert [h.result(timeout=10).output for h in handles] == [3, 4]
+        assert [h.result(timeout=30).output for h in handles] == [3, 4]
 
 
 @pytest.mark.parametrize("max_attempts, flag, total", [(3, 1, "retries"), (1, 2, "dead")])

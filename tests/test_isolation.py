@@ -68,7 +68,7 @@ def test_a_stored_request_nested_too_deep_fails_alone_and_its_batch_runs(
         victim = handles[3]
         client.queue.client.hset(client.queue.first.keys.requests, victim.id, deep_json(DEEP))
         drain(redis_url, queue_name)
-        results = {h.id: h.result(timeout=10) for h in handles}
+        results = {h.id: h.result(timeout=30) for h in handles}
         assert client.queue.stats()["inflight"] == 0
     bad = results.pop(victim.id)
     assert bad.status == "error" and bad.attempts == 1
@@ -85,7 +85,7 @@ def test_bisection_finds_one_bad_request_in_64_in_a_few_runs(redis_url: str,
         client.queue.update_settings(max_attempts=1)
         handles = client.enqueue_many([{"input": v} for v in inputs])
         runner = drain(redis_url, queue_name, max_batch_size=64)
-        results = [h.result(timeout=10) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     real = runner.runs[1:]  # after the warm-up
     assert real[0] == 64  # one batch, then halves: 32, 16, 8, 4, 2, 1 on the bad side
     assert len(real) <= 1 + 2 * 6, real
@@ -109,7 +109,7 @@ def test_any_output_that_cannot_be_written_fails_its_request_alone(redis_url: st
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": v} for v in ("a", "deep", "b")])
         drain(redis_url, queue_name, DeepOutput())
-        a, deep, b = [h.result(timeout=10) for h in handles]
+        a, deep, b = [h.result(timeout=30) for h in handles]
     assert a.ok and b.ok and a.output == {"echo": "a"}
     assert deep.status == "error" and deep.error["type"] == "OutputNotJSON"
 
@@ -213,7 +213,7 @@ def test_ids_never_merge_nor_get_anothers_result(redis_url: str, queue_name: str
         assert refused and accepted
         drain(redis_url, queue_name)
         for text, given_id in accepted.items():
-            result = client.handle(text).result(timeout=10)
+            result = client.handle(text).result(timeout=30)
             assert result.id == text and result.ok, result
             assert result.output == {"echo": {"id": given_id}}
         assert client.queue.stats()["pending"] == 0
@@ -355,7 +355,7 @@ def test_any_planted_payload_changes_no_other_requests_outcome(redis_url: str,
         def run(payloads: list[bytes]) -> None:
             handles, victims = plant_and_drain(client, redis_url, queue_name, requests_key, payloads)
             for i, handle in enumerate(handles):
-                result = handle.result(timeout=10)
+                result = handle.result(timeout=30)
                 assert result.id == handle.id
                 if handle in victims:
                     assert result.status in ("ok", "error", "dead"), result
@@ -377,7 +377,7 @@ def test_a_request_whose_schedule_entry_cannot_be_read_fails_alone(redis_url: st
         bad = client.get(victim.id)
         assert bad is not None and bad.status == "error", bad
         assert "schedule entry" in bad.error["message"] and bad.attempts == 1
-        assert all(h.result(timeout=10).ok for h in handles if h is not victim)
+        assert all(h.result(timeout=30).ok for h in handles if h is not victim)
         assert client.queue.stats()["pending"] == 0 and client.queue.stats()["inflight"] == 0
 
 
@@ -409,7 +409,7 @@ def test_any_planted_schedule_entry_changes_no_other_requests_outcome(redis_url:
                     result = client.get(handle.id)  # a waiter finds it by polling, not pushed)
                     assert result is not None and result.status in ("ok", "error", "dead", "expired")
                 else:
-                    result = handle.result(timeout=10)
+                    result = handle.result(timeout=30)
                     assert result.ok and result.output == {"echo": f"good {i}"}, result
                 assert result.id == handle.id
             assert client.queue.stats()["inflight"] == 0 and client.queue.stats()["pending"] == 0
@@ -436,7 +436,7 @@ def test_a_cancel_reaches_every_request_whatever_their_schedule_entries_hold(
             assert len(answers) == len(handles)
             for handle, answer in zip(handles, answers):
                 if handle not in victims:
-                    assert answer == 1 and handle.result(timeout=10).status == "cancelled"
+                    assert answer == 1 and handle.result(timeout=30).status == "cancelled"
         run()
 
 
@@ -447,12 +447,12 @@ def test_garbage_on_a_reply_list_or_in_a_result_fails_no_other_waiter(redis_url:
     with Client(redis_url, queue_name) as client:
         first = client.enqueue("first")
         drain(redis_url, queue_name)
-        assert first.result(timeout=10).ok  # the reply listener runs
+        assert first.result(timeout=30).ok  # the reply listener runs
         store, keys = client.queue.client, client.queue.first.keys
         store.rpush(keys.reply(client.client_id), b"\xff\xfe", "5", '{"id": 1}', deep_json(DEEP))
         handles = client.enqueue_many([{"input": f"text {i}"} for i in range(5)])
         drain(redis_url, queue_name)
-        assert [h.result(timeout=10).output for h in handles] == [{"echo": f"text {i}"}
+        assert [h.result(timeout=30).output for h in handles] == [{"echo": f"text {i}"}
                                                                 for i in range(5)]
         assert any(t.name == "batchery-replies" and t.is_alive() for t in threading.enumerate())
         assert store.llen(keys.reply(client.client_id)) == 0
@@ -472,6 +472,6 @@ def test_a_damaged_attempt_count_fails_its_request_alone(redis_url: str, queue_n
         handles = client.enqueue_many([{"input": f"text {i}"} for i in range(4)])
         client.queue.client.hset(client.queue.first.keys.attempts, handles[1].id, "not a count")
         drain(redis_url, queue_name)
-        results = [h.result(timeout=10) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert results[1].status == "error" and "cannot be read" in results[1].error["message"]
     assert [r.ok for r in results] == [True, False, True, True]

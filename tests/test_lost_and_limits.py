@@ -99,7 +99,7 @@ def test_a_deleted_request_state_is_noticed_by_a_waiting_handle(redis_url: str,
         client.queue.client.hdel(k.requests, handle.id)  # as an AOF missing its write would
         client.queue.client.zrem(k.pending, handle.id)
         with pytest.raises(RequestLost):
-            handle.result(timeout=10)
+            handle.result(timeout=30)
 
 
 def test_an_offline_job_enqueues_again_what_redis_lost(redis_url: str, queue_name: str,

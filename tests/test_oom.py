@@ -46,7 +46,7 @@ def test_out_of_memory_is_recognised_and_halves_the_batch(redis_url: str, queue_
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": i} for i in range(16)])
         run_burst(redis_url, queue_name, failing_over(4, error), max_batch_size=16)
-        results = [h.result(timeout=10) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert {r.status for r in results} == {"ok"} and {r.attempts for r in results} == {1}
     assert {r.batch_size for r in results} == {4}  # 16 -> 8 -> 4: halved, not run alone
     assert backoffs(queue_name) - before == 2  # the 16, then the first 8 (the cap splits the other)
@@ -60,7 +60,7 @@ def test_another_runtime_error_is_not_taken_for_out_of_memory(redis_url: str,
         run_burst(redis_url, queue_name,
                   failing_over(4, lambda n: RuntimeError("shape mismatch in batch")),
                   max_batch_size=8)
-        results = [h.result(timeout=10) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     # bisected (8 -> 4 + 4, which pass), but not counted nor capped as out of memory
     assert {r.batch_size for r in results} == {4} and all(r.ok for r in results)
     assert backoffs(queue_name) == before
@@ -87,7 +87,7 @@ def after_an_oom(redis_url: str, queue_name: str, hold_s: float, then: Callable[
     try:
         with Client(redis_url, queue_name) as client:
             first = client.enqueue_many([{"input": i} for i in range(16)])
-            assert {h.result(timeout=10).batch_size for h in first} == {4}
+            assert {h.result(timeout=30).batch_size for h in first} == {4}
             oom.clear()  # the memory is back; the cap still holds for hold_s
             then(client)
     finally:
@@ -99,7 +99,7 @@ def test_the_batch_cap_lasts_its_hold(redis_url: str, queue_name: str) -> None:
     """Within the hold (an hour: it cannot lapse during the test) batches stay capped."""
     def capped(client: Client) -> None:
         second = client.enqueue_many([{"input": i} for i in range(16)])
-        assert {h.result(timeout=10).batch_size for h in second} == {4}
+        assert {h.result(timeout=30).batch_size for h in second} == {4}
     after_an_oom(redis_url, queue_name, 3600, capped)
 
 
@@ -109,5 +109,5 @@ def test_the_batch_cap_lifts_after_its_hold(redis_url: str, queue_name: str) -> 
         passed = time.monotonic() + 0.5  # the hold, counted from after the last OOM
         wait_for(lambda: time.monotonic() > passed, 30, message="the hold to pass")
         third = client.enqueue_many([{"input": i} for i in range(16)])
-        assert {h.result(timeout=10).batch_size for h in third} == {16}
+        assert {h.result(timeout=30).batch_size for h in third} == {16}
     after_an_oom(redis_url, queue_name, 0.5, lifted)

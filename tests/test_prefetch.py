@@ -44,8 +44,8 @@ def test_a_prefetched_batch_yields_to_a_realtime_request(redis_url: str, queue_n
             assert len(ran) == 1 and client.queue.stats()["inflight"] == 4
         finally:
             release.set()
-        assert urgent.result(timeout=10).ok
-        assert all(h.result(timeout=10).ok for h in flood)
+        assert urgent.result(timeout=30).ok
+        assert all(h.result(timeout=30).ok for h in flood)
         thread.join(30)
     assert ran[1][0] == "urgent"  # right after the batch that was running, not one later
     assert sorted(v for batch in ran for v in batch) == sorted(["urgent", *(f"flood {i}" for i in range(6))])
@@ -73,8 +73,8 @@ def test_a_deep_queues_next_batch_comes_with_the_claim_and_yields_to_a_realtime_
             assert [len(ids) for ids in leases.values()] == [2, 2]
         finally:
             release.set()
-        assert urgent.result(timeout=10).ok
-        assert all(h.result(timeout=10).ok for h in flood)
+        assert urgent.result(timeout=30).ok
+        assert all(h.result(timeout=30).ok for h in flood)
         thread.join(30)
     assert ran[1][0] == "urgent"  # right after the batch that was running, not one later
     assert max(len(batch) for batch in ran) == 2  # each lease its own batch, within the size

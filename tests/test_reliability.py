@@ -119,7 +119,7 @@ def test_a_bad_input_fails_alone_retries_with_backoff_then_dead(redis_url: str, 
         started = time.monotonic()
         run_burst(redis_url, queue_name, runners.fails_on_bad)
         elapsed = time.monotonic() - started
-        results = [h.result(timeout=5) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert [r.status for r in results] == ["ok", "ok", "dead", "ok", "ok"]
     assert [r.output for r in results if r.ok] == ["ok:a", "ok:b", "ok:c", "ok:d"]
     dead = results[2]
@@ -182,7 +182,7 @@ def test_an_input_error_fails_at_once_without_retries(redis_url: str, queue_name
                 return [t.upper() for t in data]
         Worker(RedisSettings.from_url(redis_url), TextOnly(),
                WorkerOptions(queue=queue_name, max_wait_ms=0)).run(burst=True, handle_signals=False)
-        results = [h.result(timeout=5) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert [r.status for r in results] == ["ok", "error", "ok"]
     assert results[1].attempts == 1 and results[1].error["type"] == "InputError"
     assert "must be a string" in results[1].error["message"]
@@ -194,7 +194,7 @@ def test_out_of_memory_halves_batches_and_caps_them(redis_url: str, queue_name: 
     with Client(redis_url, queue_name) as client:
         handles = client.enqueue_many([{"input": i} for i in range(64)])
         run_burst(redis_url, queue_name, runners.oom_over_4, max_batch_size=16)
-        results = [h.result(timeout=5) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert {r.status for r in results} == {"ok"} and {r.attempts for r in results} == {1}
     assert max(r.batch_size for r in results) == 4
     backoffs = REGISTRY.get_sample_value("batchery_oom_backoffs_total", labels) - before
@@ -220,7 +220,7 @@ def test_a_request_past_its_deadline_is_never_run(redis_url: str, queue_name: st
         fine = client.enqueue("in time", deadline=60)
         time.sleep(0.4)
         run_burst(redis_url, queue_name)
-        expired, ok = late.result(timeout=5), fine.result(timeout=5)
+        expired, ok = late.result(timeout=30), fine.result(timeout=30)
     assert expired.status == "expired" and expired.output is None
     assert expired.error["type"] == "DeadlineExceeded"
     assert ok.status == "ok"
@@ -237,7 +237,7 @@ def test_cancelling_a_running_request_discards_its_output(redis_url: str, queue_
             handle = client.enqueue("slow one")
             wait_for(lambda: client.queue.stats()["inflight"] == 1, 30)
             assert handle.cancel() is True
-            assert handle.result(timeout=5).status == "cancelled"
+            assert handle.result(timeout=30).status == "cancelled"
             # the batch finishes and tries to commit: wait for that commit, then look again
             wait_for(lambda: "discarded 1 result" in caplog.text, 30,
                      message="the running batch's commit to be discarded")

@@ -88,7 +88,7 @@ def test_a_counting_worker_counts_each_estimated_request_once_and_keeps_the_budg
                WorkerOptions(queue=name, max_wait_ms=0, max_batch_size=max_size,
                              max_batch_tokens=max_tokens, lookahead=lookahead)
                ).run(burst=True, handle_signals=False)
-        assert {h.result(timeout=10).status for h in handles} == {"ok"}
+        assert {h.result(timeout=30).status for h in handles} == {"ok"}
     batches = [inputs for kind, inputs in runner.calls if kind == "prepare"][1:]  # after warm-up
     assert sorted(t for batch in batches for t in batch) == sorted(texts)
     counted = [t for t in runner.counted if t in estimated]
@@ -118,7 +118,7 @@ def test_an_underestimated_batch_is_split_to_fit_the_exact_token_budget(redis_ur
         Worker(RedisSettings.from_url(redis_url), runner,
                WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_tokens=60)
                ).run(burst=True, handle_signals=False)
-        results = [h.result(timeout=5) for h in handles]
+        results = [h.result(timeout=30) for h in handles]
     assert {r.status for r in results} == {"ok"}
     runs = [data for kind, data in runner.calls[2:] if kind == "run"]
     assert all(max(len(str(v).split()) for v in batch) * len(batch) <= 60 for batch in runs)
@@ -155,7 +155,7 @@ def test_a_worker_prices_estimated_requests_exactly_before_choosing_a_batch(
         Worker(RedisSettings.from_url(redis_url), runner,
                WorkerOptions(queue=queue_name, max_wait_ms=0, max_batch_size=2)
                ).run(burst=True, handle_signals=False)
-        assert {h.result(timeout=5).status for h in handles} == {"ok"}
+        assert {h.result(timeout=30).status for h in handles} == {"ok"}
     # each of the three was counted once, by the first claim (its own queue's label)
     assert REGISTRY.get_sample_value("batchery_repriced_total", {"queue": queue_name}) == 3
     claims = [inputs for kind, inputs in runner.calls[2:] if kind == "prepare"]
@@ -272,7 +272,7 @@ def test_a_burst_worker_with_parallel_batches_drains_and_exits(redis_url: str, q
                         WorkerOptions(queue=queue_name, max_batch_size=2, max_wait_ms=0,
                                       parallel_batches=3))
         assert worker.run(burst=True, handle_signals=False) == 0
-        assert [h.result(timeout=5).output for h in handles] == [1] * 30
+        assert [h.result(timeout=30).output for h in handles] == [1] * 30
         assert worker.batches_run == 15
 
 
