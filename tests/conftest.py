@@ -244,7 +244,7 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """A worker's /metrics: (sample name, sorted labels) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}

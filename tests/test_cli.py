@@ -33,7 +33,7 @@ def test_enqueue_wait_with_a_worker_and_metrics(redis_url: str, queue_name: str,
         assert {r["status"] for r in results} == {"ok"}
         assert set(results[0]) == {"id", "status", "output", "error", "attempts", "worker",
                                    "batch_size", "queued_ms", "run_ms"}
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         for name in ("batchery_requests_total", "batchery_batch_size", "batchery_batch_tokens",
                      "batchery_padding_efficiency", "batchery_queue_wait_seconds",
                      "batchery_inference_seconds", "batchery_queue_depth", "batchery_inflight",

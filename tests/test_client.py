@@ -192,9 +192,9 @@ def test_async_client_submit_map_and_cancel(redis_url: str, queue_name: str) -> 
             with pytest.raises(InvalidRequest):
                 await client.enqueue("x", priority="nope!")
             with BackgroundWorker(redis_url, queue_name):
-                result = await client.submit({"text": "hi"}, priority="realtime", timeout=10)
+                result = await client.submit({"text": "hi"}, priority="realtime", timeout=30)
                 assert result.ok and result.output["echo"] == {"text": "hi"}
-                results = await client.map(range(120), timeout=20)
+                results = await client.map(range(120), timeout=60)
             assert [r.output["echo"] for r in results] == list(range(120))
     asyncio.run(scenario())
 
@@ -324,7 +324,7 @@ def test_an_async_client_made_before_a_fork_names_its_own_reply_list_in_each_chi
 
     async def one(name: str) -> str:
         async with made as client:
-            result = await client.submit(name, timeout=15)
+            result = await client.submit(name, timeout=30)
             return f"{client.client_id} {result.output['echo'] == name}"
 
     with BackgroundWorker(redis_url, queue_name):

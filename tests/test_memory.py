@@ -120,7 +120,7 @@ def test_a_worker_whose_commit_redis_refuses_fails_the_batch_and_lets_go(
         assert {r.error["type"] for r in results} == {"RedisError"}
         assert "OutOfMemoryError" in results[0].error["message"]
         assert raw.zcard(queue.keys.lease_expiry) == 0 and raw.hlen(queue.keys.lease_ids) == 0
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         assert f'batchery_redis_errors_total{{operation="commit",queue="{queue_name}"}} 1.0' in metrics, [l for l in metrics.splitlines() if "redis_errors" in l]
         assert worker.poll() is None
     finally:

@@ -185,7 +185,7 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
                           "2", "--metrics-port", str(port), log=tmp_path / "pool.log")
 
     def scraped(name: str) -> float:
-        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         return sum(float(line.split()[-1]) for line in page.splitlines()
                    if line.startswith(name) and not line.startswith("#"))
 
