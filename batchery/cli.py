@@ -11,7 +11,9 @@ docs/reference/errors.md); never a traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 
 import click
@@ -39,6 +41,8 @@ def cli(log_level: str) -> None:
     """
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: where each thread is, on stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     tracing.configure(f"batchery-{click.get_current_context().invoked_subcommand}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -232,13 +233,40 @@ def start_worker(redis_url: str, queue: str, *args: str, log: Path | None = None
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    """Signal ``proc`` and wait for its exit code; one that does not exit within ``timeout``
+    is killed, after its stacks are dumped (dump_stacks)."""
     if proc.poll() is None:
         proc.send_signal(sig)
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         proc.kill()
         return proc.wait(10)
+
+
+def child_pids(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux /proc; zombies left out; none elsewhere)."""
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.add(int(entry.name))
+    return found
+
+
+def dump_stacks(pid: int) -> None:
+    """Have a hung ``batchery`` process and its children print where each thread is on
+    their stderr (the CLI's SIGUSR1: a test that logs a process shows it), before it is
+    killed."""
+    pids = [pid, *child_pids(pid)]
+    for one in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(one, signal.SIGUSR1)
+    time.sleep(1)  # the dumps are written by the processes themselves: nothing to wait on
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,24 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import stop_process, wait_for
+from tests.conftest import child_pids, stop_process, wait_for
 from tests.jobs_helpers import start_jobs_worker
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads children from /proc")]
-
-
-def children(pid: int) -> set[int]:
-    """The live child processes of ``pid`` (zombies, dead but not yet reaped, left out)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # not a process, or gone meanwhile
-            continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.add(int(entry.name))
-    return found
+              pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds a process' children in "
+                                 "/proc, which this system does not have (Linux has)")]
 
 
 def test_a_stop_while_a_dead_child_waits_to_restart_stops_the_pool(
@@ -37,8 +25,8 @@ def test_a_stop_while_a_dead_child_waits_to_restart_stops_the_pool(
     log = tmp_path / "pool.log"
     pool = start_jobs_worker(redis_url, f"jobs-{queue_name}", "--jobs", "2", log=log)
     try:
-        wait_for(lambda: len(children(pool.pid)) == 2, 60, message="two jobs workers")
-        os.kill(min(children(pool.pid)), signal.SIGKILL)
+        wait_for(lambda: len(child_pids(pool.pid)) == 2, 60, message="two jobs workers")
+        os.kill(min(child_pids(pool.pid)), signal.SIGKILL)
         wait_for(lambda: "starting it again" in log.read_text(), 30,
                  message="the parent to see its child die")
         pool.send_signal(signal.SIGTERM)  # in the pause before the restart
@@ -50,3 +38,25 @@ def test_a_stop_while_a_dead_child_waits_to_restart_stops_the_pool(
         assert "Traceback" not in log.read_text()
     finally:
         stop_process(pool)
+
+
+def test_sigusr1_prints_where_each_process_is_and_they_carry_on(
+        redis_url: str, queue_name: str, tmp_path: Path) -> None:
+    """`kill -USR1` on a stuck-looking `batchery` process (here the pool and each of its
+    jobs workers) prints each thread's stack on its stderr; none of them stops for it."""
+    log = tmp_path / "pool.log"
+    pool = start_jobs_worker(redis_url, f"jobs-{queue_name}", "--jobs", "2", log=log)
+    try:
+        wait_for(lambda: log.read_text().count("Listening on") >= 2, 60,
+                 message="both jobs workers listening")
+        processes = [pool.pid, *child_pids(pool.pid)]
+        assert len(processes) == 3
+        for pid in processes:
+            os.kill(pid, signal.SIGUSR1)
+        wait_for(lambda: log.read_text().count("Current thread") == 3, 30,
+                 message="a stack dump from each of the three processes")
+        assert "run_pool" in log.read_text() and "dequeue" in log.read_text()
+        assert pool.poll() is None and child_pids(pool.pid) == set(processes[1:])
+    finally:
+        assert stop_process(pool) == 0
+    assert "Traceback" not in log.read_text()
