@@ -11,6 +11,7 @@ docs/reference/errors.md); never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -41,8 +42,6 @@ def cli(log_level: str) -> None:
     """
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: where each thread is, on stderr
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     tracing.configure(f"batchery-{click.get_current_context().invoked_subcommand}")
 
 
@@ -85,4 +84,9 @@ finish_tree(cli)
 
 
 def main() -> None:
+    if hasattr(signal, "SIGUSR1"):
+        # `kill -USR1 PID`: where each thread is, on stderr (a process that seems stuck);
+        # here, not in `cli`, which a test runs in its own process with a stderr of no file
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # stderr is no file
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     cli(prog_name="batchery")
