@@ -29,8 +29,8 @@ from batchery.workers.loop import Worker
 from batchery.workers.options import WorkerOptions
 from batchery.workers.runners.base import Prepared, Runner
 from batchery.workers.runners.hf import resolve_model
-from tests.conftest import (ROOT, RedisServer, cli_env, free_port, run_cli, start_worker, stop_process,
-                            wait_for)
+from tests.conftest import (ROOT, RedisServer, child_pids, cli_env, free_port, run_cli, start_worker,
+                            stop_process, wait_for)
 
 
 class Recording(Runner):
@@ -192,9 +192,6 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
     def live_workers() -> int:
         stats = json.loads(run_cli("queue", "stats", "--json", "-q", queue_name, redis_url=redis_url).stdout)
         return stats["queues"][queue_name]["workers"]
-    def children() -> set[int]:
-        path = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
-        return {int(p) for p in path.read_text().split()}
     try:
         wait_for(lambda: live_workers() == 2, 60, interval=0.3, message="two worker processes")
         done = run_cli("enqueue", "-q", queue_name, "--text", "a", "--text", "b", "--wait",
@@ -203,9 +200,9 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
         # one port for the whole pool: the parent adds up its children's metrics
         wait_for(lambda: scraped("batchery_requests_total{") == 2, 30, interval=0.2,
                  message="both requests counted on the pool's one metrics port")
-        first = children()
+        first = child_pids(parent.pid)
         os.kill(min(first), signal.SIGKILL)  # a crashed child is replaced
-        wait_for(lambda: len(children()) == 2 and children() != first, 30, interval=0.2,
+        wait_for(lambda: len(now := child_pids(parent.pid)) == 2 and now != first, 30, interval=0.2,
                  message="the crashed process to be restarted")
     finally:
         assert stop_process(parent, signal.SIGTERM) == 0
