@@ -204,8 +204,11 @@ def test_concurrency_runs_and_supervises_several_processes(redis_url: str, queue
         os.kill(min(first), signal.SIGKILL)  # a crashed child is replaced
         wait_for(lambda: len(now := child_pids(parent.pid)) == 2 and now != first, 30, interval=0.2,
                  message="the crashed process to be restarted")
+        os.kill(min(child_pids(parent.pid)), signal.SIGKILL)  # a stop in its restart pause
+        wait_for(lambda: (tmp_path / "pool.log").read_text().count("restarting in") == 2, 30,
+                 message="the parent to see the second crash")
     finally:
-        assert stop_process(parent, signal.SIGTERM) == 0
+        assert stop_process(parent, signal.SIGTERM) == 0  # the crashed one not started again
     wait_for(lambda: live_workers() == 0, 30, interval=0.3, message="no live workers")
 
 

@@ -5,7 +5,7 @@ metrics on the one --metrics-port (prometheus_client's multiprocess mode: each c
 writes its values to files in a private directory, the parent adds them up), so one
 scrape and one probe cover the pod. On a machine with several GPUs child i sees only GPU i mod count (CUDA_VISIBLE_DEVICES),
 so the children spread over the GPUs instead of sharing cuda:0; a child that dies is
-restarted with backoff; SIGTERM/SIGINT are passed on to all.
+restarted with backoff, unless a stop came meanwhile; SIGTERM/SIGINT are passed on to all.
 """
 
 from __future__ import annotations
@@ -120,7 +120,12 @@ def _supervise(n: int, start: Any, gone: Any) -> int:
                 gone(child.pid)
                 time.sleep(backoff[i])
                 backoff[i] = min(backoff[i] * 2, RESTART_BACKOFF_CAP_S)
+                if stopping:  # a stop during the pause: nothing to start again, and the
+                    del children[i]  # stop, not the crash before it, is how it ended
+                    continue
                 children[i] = start(i)
+                if stopping:  # it came while the child started: the child missed it
+                    children[i].send_signal(signal.SIGTERM)
         if all(c.poll() == 0 for c in children.values()):
             break  # every child finished its work (burst) or was stopped
         time.sleep(0.2)

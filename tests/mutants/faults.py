@@ -300,6 +300,15 @@ FAULTS: tuple[Fault, ...] = (
           "                        children[i].send_signal(stopping[-1])\n",
           "                if True:\n                    children[i] = _start(argvs[i], env)\n",
           ("tests/test_jobs_pool.py::test_a_stop_while_a_dead_child_waits_to_restart_stops_the_pool",)),
+    Fault("a worker supervisor restarts a crashed child behind a stop", "workers/supervisor.py",
+          "                if stopping:  # a stop during the pause: nothing to start again, and the\n"
+          "                    del children[i]  # stop, not the crash before it, is how it ended\n"
+          "                    continue\n"
+          "                children[i] = start(i)\n"
+          "                if stopping:  # it came while the child started: the child missed it\n"
+          "                    children[i].send_signal(signal.SIGTERM)\n",
+          "                children[i] = start(i)\n",
+          ("tests/test_worker.py::test_concurrency_runs_and_supervises_several_processes",)),
     Fault("calibration keeps the fastest size", "workers/calibrate.py",
           "    return min(s for s, r in rates.items() if r >= (1 - TOLERANCE) * best)",
           "    return max(rates, key=rates.__getitem__)",
